@@ -1,0 +1,63 @@
+"""Shared fixtures: a slice of the real default corpus (Penn Treebank), a tiny tokenizer and config."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_ROBERTA = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
+
+
+def load_script(relpath, name):
+    """Import a script by path under a name that cannot shadow a package (the folders can)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(args, env=None, cwd=ROOT, timeout=900):
+    """Run a project script as a file, as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def error_line(result, prefix):
+    """A bad input must give exactly one line on stderr, starting with the script's name, and exit non-zero."""
+    assert result.returncode != 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    last = lines[-1]
+    assert last.startswith(f"{prefix}: error: "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return last
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The real PTB splits from the corpus helper, plus small slices of them for fast tests."""
+    out = tmp_path_factory.mktemp("ptb")
+    check_ok(run(["tokenizers/prepare_corpus.py", "--corpus", "ptb", "--output_dir", str(out)]))
+    for split, lines in (("train", 3000), ("validation", 200)):
+        with open(out / f"{split}.txt") as f:
+            head = [next(f) for _ in range(lines)]
+        (out / f"{split}_slice.txt").write_text("".join(head))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(corpus, tmp_path_factory):
+    """A 1000-token byte-level BPE tokenizer and a tiny RoBERTa config in one folder."""
+    out = tmp_path_factory.mktemp("tiny")
+    check_ok(run(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "1000",
+                  "--output_dir", str(out)]))
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(out),
+                  "--config_overrides", TINY_ROBERTA, "--output_dir", str(out)]))
+    return out

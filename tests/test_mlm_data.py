@@ -1,0 +1,132 @@
+"""The MLM collator and group_texts of flax/run_mlm_flax.py, against their specification."""
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import load_script
+
+mlm = load_script("flax/run_mlm_flax.py", "run_mlm_flax")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def masked(tokenizer):
+    """A large batch of real tokenized lines (special tokens and padding included), masked once."""
+    rng = np.random.default_rng(0)
+    words = ["the", "market", "fell", "N", "points", "<unk>", "said", "mr.", "shares", "of", "company"]
+    lines = [" ".join(rng.choice(words, size=rng.integers(3, 40))) for _ in range(4000)]
+    encoded = tokenizer(lines, return_special_tokens_mask=True)
+    collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=0.15)
+    original = tokenizer.pad(dict(encoded), pad_to_multiple_of=16, return_tensors="np")
+    batch = collator(dict(encoded), np.random.default_rng(1), pad_to_multiple_of=16)
+    return original, batch
+
+
+def test_shapes_and_padding(masked):
+    original, batch = masked
+    assert batch["input_ids"].shape == batch["labels"].shape == original["input_ids"].shape
+    assert batch["input_ids"].shape[1] % 16 == 0
+    assert (original["attention_mask"] == 0).any(), "the batch must contain padding for the tests below to mean anything"
+
+
+def protected_positions(original, tokenizer):
+    """Added special tokens, padding, and special tokens written in the text (PTB's literal <unk>)."""
+    return (original["special_tokens_mask"].astype(bool) | (original["attention_mask"] == 0)
+            | np.isin(original["input_ids"], tokenizer.all_special_ids))
+
+
+def test_special_and_pad_tokens_are_never_selected(masked, tokenizer):
+    original, batch = masked
+    protected = protected_positions(original, tokenizer)
+    assert (original["input_ids"][~original["special_tokens_mask"].astype(bool)] == tokenizer.unk_token_id).any()
+    assert (batch["labels"][protected] == -100).all()
+    assert (batch["input_ids"][protected] == original["input_ids"][protected]).all()
+    special_ids = set(tokenizer.all_special_ids)
+    selected = batch["labels"] != -100
+    assert not set(np.unique(original["input_ids"][selected])) & special_ids
+
+
+def test_labels_are_the_original_ids_on_the_mask_and_minus_100_elsewhere(masked):
+    original, batch = masked
+    selected = batch["labels"] != -100
+    assert (batch["labels"][selected] == original["input_ids"][selected]).all()
+    # Off the mask, inputs are untouched.
+    assert (batch["input_ids"][~selected] == original["input_ids"][~selected]).all()
+
+
+def test_masking_rate_and_80_10_10_split(masked, tokenizer):
+    original, batch = masked
+    maskable = ~protected_positions(original, tokenizer)
+    selected = batch["labels"] != -100
+    n_maskable, n_selected = maskable.sum(), selected.sum()
+    assert n_selected > 10000
+    # Binomial standard deviations are ~0.0008 for the rate and ~0.002-0.003 for the split: 5-sigma bounds.
+    assert abs(n_selected / n_maskable - 0.15) < 0.005
+    inputs, ids = batch["input_ids"][selected], original["input_ids"][selected]
+    as_mask = (inputs == tokenizer.mask_token_id).mean()
+    unchanged = (inputs == ids).mean()
+    changed_other = ((inputs != ids) & (inputs != tokenizer.mask_token_id)).mean()
+    # A random replacement equals the original token 1/vocab of the time: it counts as unchanged.
+    p_same = 1 / tokenizer.vocab_size
+    assert abs(as_mask - 0.8) < 0.02
+    assert abs(unchanged - (0.1 + 0.1 * p_same)) < 0.012
+    assert abs(changed_other - 0.1 * (1 - p_same)) < 0.012
+
+
+def upstream_group_texts(examples, max_seq_length):
+    """Upstream's definition, verbatim in substance: sum(lists, []) then cut, dropping the remainder."""
+    concatenated_examples = {k: sum(examples[k], []) for k in examples.keys()}
+    total_length = len(concatenated_examples[list(examples.keys())[0]])
+    if total_length >= max_seq_length:
+        total_length = (total_length // max_seq_length) * max_seq_length
+    return {
+        k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)]
+        for k, t in concatenated_examples.items()
+    }
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_group_texts_matches_upstream(seed):
+    rng = np.random.default_rng(seed)
+    n_texts = int(rng.integers(1, 50))
+    lengths = rng.integers(0, 60, size=n_texts)
+    examples = {
+        "input_ids": [rng.integers(0, 1000, size=n).tolist() for n in lengths],
+        "special_tokens_mask": [rng.integers(0, 2, size=n).tolist() for n in lengths],
+    }
+    block = int(rng.choice([4, 16, 64, 10_000]))  # 10_000: shorter than one block, kept whole as upstream
+    ours = mlm.group_texts(examples, block)
+    assert ours == upstream_group_texts(examples, block)
+    total = int(lengths.sum())
+    if total >= block:
+        assert all(len(row) == block for row in ours["input_ids"])
+        assert len(ours["input_ids"]) == total // block
+
+
+def test_batch_splits_keep_or_drop_the_remainder():
+    idx = np.arange(10)
+    assert [len(b) for b in mlm.generate_batch_splits(idx, 4)] == [4, 4]
+    assert np.concatenate(mlm.generate_batch_splits(idx, 4, drop_last=False)).tolist() == list(range(10))
+
+
+def test_weight_decay_mask_skips_biases_and_layer_norms():
+    params = {"encoder": {"dense": {"kernel": 1, "bias": 2}, "LayerNorm": {"scale": 3, "bias": 4}},
+              "embeddings": {"word_embeddings": {"embedding": 5}}}
+    mask = mlm.decay_mask_fn(params)
+    assert mask["encoder"]["dense"] == {"kernel": True, "bias": False}
+    assert mask["encoder"]["LayerNorm"] == {"scale": False, "bias": False}
+    assert mask["embeddings"]["word_embeddings"]["embedding"] is True
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    schedule = mlm.create_learning_rate_fn(num_train_steps=100, num_warmup_steps=10, learning_rate=1.0)
+    assert float(schedule(0)) == 0.0
+    assert abs(float(schedule(5)) - 0.5) < 1e-6
+    assert abs(float(schedule(10)) - 1.0) < 1e-6
+    assert abs(float(schedule(55)) - 0.5) < 1e-6
+    assert float(schedule(100)) == 0.0

@@ -1,0 +1,153 @@
+"""flax/run_mlm_flax.py end to end on a slice of the real default corpus, and its bad-input errors."""
+
+import json
+import math
+import re
+
+import pytest
+
+from conftest import check_ok, error_line, load_script, run
+
+SCRIPT = "flax/run_mlm_flax.py"
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def mlm_args(model_dir, corpus, output_dir, *extra):
+    return [SCRIPT, "--output_dir", str(output_dir), "--model_type", "roberta", "--config_name", str(model_dir),
+            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
+            "--validation_file", str(corpus / "validation_slice.txt"), "--max_seq_length", "64",
+            "--per_device_eval_batch_size", "16", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mlm")
+    result = check_ok(run(mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
+                                   "--learning_rate", "3e-3", "--warmup_steps", "20", "--num_train_epochs", "2",
+                                   "--logging_steps", "20", "--save_steps", "100", "--overwrite_output_dir"), env=TWO_DEVICES))
+    return out, result
+
+
+def test_trains_on_two_devices_and_loss_falls(trained):
+    out, result = trained
+    log = result.stdout + result.stderr
+    assert "2 devices" in log
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+    assert len(losses) >= 5, log[-2000:]
+    assert losses[-1] < losses[0] - 1.0, losses
+    train = json.loads((out / "train_results.json").read_text())
+    assert train["num_devices"] == 2 and train["global_batch_size"] == 16 and train["train_steps"] > 100
+
+
+def test_eval_metrics_written_and_consistent(trained):
+    out, result = trained
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert all(math.isfinite(metrics[k]) for k in ("eval_loss", "eval_accuracy", "eval_perplexity"))
+    assert abs(metrics["eval_perplexity"] - math.exp(metrics["eval_loss"])) < 1e-6 * metrics["eval_perplexity"]
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    # Every validation example is evaluated: blocks of 64 tokens from the validation slice, none dropped.
+    assert metrics["eval_masked_tokens"] > 0.1 * metrics["eval_samples"] * 60
+    assert list((out).glob("events.out.tfevents.*")), "TensorBoard event file missing"
+
+
+def test_trained_model_beats_untrained_and_checkpoint_reloads(trained, tiny_model_dir, corpus, tmp_path):
+    out, _ = trained
+    trained_metrics = json.loads((out / "eval_results.json").read_text())
+    # The untrained model (same config, no --do_train) on the same masks.
+    untrained = tmp_path / "untrained"
+    check_ok(run(mlm_args(tiny_model_dir, corpus, untrained, "--do_eval")))
+    untrained_metrics = json.loads((untrained / "eval_results.json").read_text())
+    assert untrained_metrics["eval_accuracy"] < 0.02
+    assert trained_metrics["eval_accuracy"] > max(0.04, 5 * untrained_metrics["eval_accuracy"])
+    assert trained_metrics["eval_loss"] < untrained_metrics["eval_loss"] - 0.5
+    # The saved checkpoint, reloaded by from_pretrained on one device, gives the same eval (same masks).
+    reloaded = tmp_path / "reloaded"
+    args = mlm_args(tiny_model_dir, corpus, reloaded, "--do_eval")
+    args[args.index("--config_name") + 1] = str(out)
+    args += ["--model_name_or_path", str(out)]
+    check_ok(run(args))
+    reloaded_metrics = json.loads((reloaded / "eval_results.json").read_text())
+    assert reloaded_metrics["eval_masked_tokens"] == trained_metrics["eval_masked_tokens"]
+    assert abs(reloaded_metrics["eval_loss"] - trained_metrics["eval_loss"]) < 1e-5
+    assert reloaded_metrics["eval_accuracy"] == pytest.approx(trained_metrics["eval_accuracy"], abs=1e-9)
+
+
+def test_checkpoint_logits_identical_after_reload(trained):
+    import numpy as np
+    from transformers import AutoTokenizer, FlaxAutoModelForMaskedLM
+
+    out, _ = trained
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    inputs = tokenizer(["the company said its shares <mask> N points"], return_tensors="np")
+    first = FlaxAutoModelForMaskedLM.from_pretrained(out)(**inputs).logits
+    second = FlaxAutoModelForMaskedLM.from_pretrained(out)(**inputs).logits
+    assert np.isfinite(first).all() and np.array_equal(np.asarray(first), np.asarray(second))
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == json.loads(
+        (out / "train_results.json").read_text())["train_steps"]
+    assert not list(out.glob(".tmp-checkpoint-*"))
+
+
+# --- bad input: one line, non-zero exit, nothing overwritten ---------------------------------------
+
+@pytest.fixture()
+def bad(tiny_model_dir, corpus, tmp_path):
+    def call(*extra, env=None, train_file=None, output_dir=None):
+        args = mlm_args(tiny_model_dir, corpus, output_dir or tmp_path / "out", "--do_train", "--do_eval", *extra)
+        if train_file is not None:
+            args[args.index("--train_file") + 1] = str(train_file)
+        return error_line(run(args, env=env), "run_mlm_flax.py")
+    return call
+
+
+def test_missing_train_file(bad, tmp_path):
+    assert "does not exist" in bad(train_file=tmp_path / "nope.txt")
+
+
+def test_empty_train_file(bad, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "empty" in bad(train_file=empty)
+
+
+def test_unsupported_extension(bad, tmp_path):
+    odd = tmp_path / "train.parquet"
+    odd.write_text("text")
+    assert "extension" in bad(train_file=odd)
+
+
+def test_output_dir_not_empty(bad, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "flax_model.msgpack").write_text("precious")
+    assert "--overwrite_output_dir" in bad(output_dir=out)
+    assert (out / "flax_model.msgpack").read_text() == "precious" and len(list(out.iterdir())) == 1
+
+
+def test_config_vocab_smaller_than_tokenizer(bad, tiny_model_dir, tmp_path):
+    small = tmp_path / "small_config"
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--vocab_size", "500", "--output_dir", str(small)]))
+    line = bad("--config_name", str(small))
+    assert "vocab_size" in line and "500" in line
+
+
+def test_batch_size_not_positive_or_larger_than_data(bad):
+    assert "--per_device_train_batch_size" in bad("--per_device_train_batch_size", "0")
+    assert "fewer than one global batch" in bad("--per_device_train_batch_size", "100000", env=TWO_DEVICES)
+
+
+def test_max_seq_length_beyond_model_positions(bad, tiny_model_dir, tmp_path):
+    short = tmp_path / "short_config"
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(tiny_model_dir),
+                  "--config_overrides", "max_position_embeddings=34", "--output_dir", str(short)]))
+    line = bad("--config_name", str(short))
+    assert "--max_seq_length 64" in line and "32 positions" in line
+
+
+def test_hub_names_while_offline(bad, tmp_path):
+    # A closed local port stands for an unreachable hub, whatever network the test machine has.
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    line = bad("--dataset_name", "oscar-corpus/oscar", env=offline)
+    assert "--dataset_name 'oscar-corpus/oscar'" in line and "--train_file" in line
+    assert "--model_name_or_path 'roberta-base'" in bad("--model_name_or_path", "roberta-base", env=offline)
+    assert "--push_to_hub" in bad("--push_to_hub", env=offline)
+    assert not (tmp_path / "out").exists()

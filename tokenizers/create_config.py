@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Write the config.json of a README reference architecture, with no hub access.
+
+The hyper-parameters are the published ones of roberta-base, gpt2 (with the README's resid/embd/
+attn dropout 0.0), google/t5-v1_1-base, facebook/bart-base and bert-base-uncased. Only the
+architecture is written: no weights, no tokenizer, no generation settings.
+
+  --vocab_size N         the vocabulary size (give the tokenizer's: len(tokenizer))
+  --tokenizer_name D     optional: take the vocabulary size and the pad/bos/eos/decoder-start
+                         ids from the tokenizer in D, so config and tokenizer agree
+  --config_overrides S   "key=value,key=value" applied last, as in upstream's run_mlm.py
+
+Example:
+  python tokenizers/create_config.py --model_type roberta --vocab_size 8192 --output_dir out/model \
+      --config_overrides "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
+"""
+
+import argparse
+import os
+import sys
+
+from transformers import CONFIG_MAPPING
+
+REFERENCE = {
+    # roberta-base
+    "roberta": dict(
+        vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=514,
+        type_vocab_size=1, initializer_range=0.02, layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    ),
+    # gpt2 (124M), dropouts 0.0 as in the README's CLM example
+    "gpt2": dict(
+        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, initializer_range=0.02,
+        bos_token_id=50256, eos_token_id=50256,
+    ),
+    # google/t5-v1_1-base
+    "t5": dict(
+        vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
+        layer_norm_epsilon=1e-6, initializer_factor=1.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ),
+    # facebook/bart-base
+    "bart": dict(
+        vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+        decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, max_position_embeddings=1024,
+        activation_function="gelu", dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, init_std=0.02,
+        scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    ),
+    # bert-base-uncased
+    "bert": dict(
+        vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=512,
+        type_vocab_size=2, initializer_range=0.02, layer_norm_eps=1e-12, pad_token_id=0,
+    ),
+}
+
+
+def fail(message):
+    sys.exit(f"create_config.py: error: {message}")
+
+
+def token_ids_from_tokenizer(model_type, path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any load failure becomes one line
+        fail(f"--tokenizer_name {path}: cannot load a tokenizer ({type(e).__name__})")
+    ids = {"vocab_size": len(tokenizer)}
+    for name in ("pad", "bos", "eos"):
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if token_id is not None:
+            ids[f"{name}_token_id"] = token_id
+    if model_type == "t5":
+        ids["decoder_start_token_id"] = ids.get("pad_token_id", 0)
+    if model_type == "bart":
+        ids["decoder_start_token_id"] = ids.get("eos_token_id")
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def build_config(model_type, vocab_size=None, tokenizer_name=None, config_overrides=None):
+    values = dict(REFERENCE[model_type])
+    if tokenizer_name:
+        values.update(token_ids_from_tokenizer(model_type, tokenizer_name))
+    if vocab_size is not None:
+        values["vocab_size"] = vocab_size
+    config = CONFIG_MAPPING[model_type](**values)
+    if config_overrides:
+        try:
+            config.update_from_string(config_overrides)
+        except ValueError as e:
+            fail(f"--config_overrides: {e}")
+    return config
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_type", choices=sorted(REFERENCE), required=True)
+    parser.add_argument("--vocab_size", type=int, help="default: the tokenizer's size, else the reference model's")
+    parser.add_argument("--tokenizer_name", help="tokenizer folder to take vocab size and special token ids from")
+    parser.add_argument("--config_overrides", help='e.g. "hidden_size=64,num_hidden_layers=2"')
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--overwrite_output_dir", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.vocab_size is not None and args.vocab_size <= 0:
+        fail(f"--vocab_size must be positive, got {args.vocab_size}")
+    if os.path.exists(os.path.join(args.output_dir, "config.json")) and not args.overwrite_output_dir:
+        fail(f"{args.output_dir} already holds a config.json; pass --overwrite_output_dir to replace it")
+    config = build_config(args.model_type, args.vocab_size, args.tokenizer_name, args.config_overrides)
+    os.makedirs(args.output_dir, exist_ok=True)
+    config.save_pretrained(args.output_dir)
+    print(f"Saved a {args.model_type} config (vocab {config.vocab_size:,}) to {args.output_dir}/config.json")
+
+
+if __name__ == "__main__":
+    main()

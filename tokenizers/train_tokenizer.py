@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Train the tokenizer of the README from local text files.
+
+  byte_level_bpe  A ByteLevelBPE tokenizer with the special tokens <s> <pad> </s> <unk> <mask>
+                  (ids 0..4), as the README trains for RoBERTa. A RoBERTa post-processor wraps
+                  every sequence in <s> ... </s>.
+
+The output folder gets tokenizer.json plus tokenizer_config.json / special_tokens_map.json, so
+``AutoTokenizer.from_pretrained(output_dir)`` works with no config.json beside it, and the
+special tokens (mask, pad, bos, eos, unk) are set.
+
+Example:
+  python tokenizers/train_tokenizer.py --tokenizer_type byte_level_bpe \
+      --train_file data/ptb/train.txt --vocab_size 8192 --min_frequency 2 --output_dir out/tok
+"""
+
+import argparse
+import os
+import sys
+
+from tokenizers import ByteLevelBPETokenizer, processors
+from transformers import RobertaTokenizerFast
+
+SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+
+
+def fail(message):
+    sys.exit(f"train_tokenizer.py: error: {message}")
+
+
+def check_text_files(paths):
+    """One clear line for a missing, unreadable or empty file; return the number of lines."""
+    total = 0
+    for path in paths:
+        if not os.path.isfile(path):
+            fail(f"--train_file {path} does not exist")
+        with open(path, encoding="utf-8") as f:
+            try:
+                lines = sum(1 for line in f if line.strip())
+            except UnicodeDecodeError as e:
+                fail(f"--train_file {path} is not UTF-8 text ({e.reason} at byte {e.start})")
+        if lines == 0:
+            fail(f"--train_file {path} is empty: it has no non-blank line")
+        total += lines
+    return total
+
+
+def batch_iterator(paths, batch_size=1000):
+    batch = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    batch.append(line.rstrip("\n"))
+                    if len(batch) == batch_size:
+                        yield batch
+                        batch = []
+    if batch:
+        yield batch
+
+
+def train_byte_level_bpe(paths, num_lines, vocab_size, min_frequency, model_max_length):
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        batch_iterator(paths), vocab_size=vocab_size, min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS, show_progress=True, length=(num_lines + 999) // 1000,
+    )
+    tokenizer.post_processor = processors.RobertaProcessing(
+        sep=("</s>", tokenizer.token_to_id("</s>")), cls=("<s>", tokenizer.token_to_id("<s>"))
+    )
+    return RobertaTokenizerFast(tokenizer_object=tokenizer._tokenizer, model_max_length=model_max_length)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer_type", choices=["byte_level_bpe"], default="byte_level_bpe")
+    parser.add_argument("--train_file", action="append", required=True, help="text file; repeat for several")
+    parser.add_argument("--vocab_size", type=int, default=50265)
+    parser.add_argument("--min_frequency", type=int, default=2)
+    parser.add_argument("--model_max_length", type=int, default=512,
+                        help="longest sequence the model takes (roberta-base: 512)")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--overwrite_output_dir", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.vocab_size < len(SPECIAL_TOKENS) + 256:
+        fail(f"--vocab_size {args.vocab_size} is too small: a byte-level BPE needs at least {len(SPECIAL_TOKENS) + 256}")
+    if os.path.exists(os.path.join(args.output_dir, "tokenizer.json")) and not args.overwrite_output_dir:
+        fail(f"{args.output_dir} already holds a tokenizer.json; pass --overwrite_output_dir to replace it")
+    num_lines = check_text_files(args.train_file)
+
+    tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, args.model_max_length)
+    os.makedirs(args.output_dir, exist_ok=True)
+    tokenizer.save_pretrained(args.output_dir)
+    print(f"Saved a {len(tokenizer):,}-token {args.tokenizer_type} tokenizer to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
