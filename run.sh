@@ -29,13 +29,13 @@ main_job() {
     --vocab_size 8192 --min_frequency 2 --output_dir "$out/model" --overwrite_output_dir
   "$PY" tokenizers/create_config.py --model_type roberta --tokenizer_name "$out/model" --output_dir "$out/model" \
     --overwrite_output_dir \
-    --config_overrides "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512"
+    --config_overrides "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512,hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"
   "$PY" flax/run_mlm_flax.py --output_dir "$out/run" --overwrite_output_dir \
     --model_type roberta --config_name "$out/model" --tokenizer_name "$out/model" \
     --train_file "$data/train.txt" --validation_file "$data/validation.txt" \
-    --max_seq_length 128 --per_device_train_batch_size 32 --per_device_eval_batch_size 64 \
-    --learning_rate 1e-3 --warmup_steps 60 --weight_decay 0.01 --max_steps 600 \
-    --logging_steps 100 --save_steps 600 --do_train --do_eval
+    --max_seq_length 64 --per_device_train_batch_size 64 --per_device_eval_batch_size 128 \
+    --learning_rate 2e-3 --warmup_steps 100 --weight_decay 0.01 --max_steps 750 \
+    --logging_steps 50 --save_steps 750 --do_train --do_eval
   echo "Model, tokenizer, eval_results.json and TensorBoard logs: $out/run"
 }
 

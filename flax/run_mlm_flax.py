@@ -223,17 +223,32 @@ class FlaxDataCollatorForLanguageModeling:
         if self.tokenizer.mask_token is None:
             raise ValueError("This tokenizer does not have a mask token which is necessary for masked language modeling.")
 
-    def __call__(self, examples, rng, pad_to_multiple_of=None):
+    def __call__(self, examples, rng, pad_to_multiple_of=None, row_ids=None, row_width=None):
         """`examples`: a dict of lists (input_ids, attention_mask, special_tokens_mask, ...).
-        `rng`: a numpy Generator, so the masks are reproducible."""
+        `rng`: a numpy Generator that draws the masks of the whole batch; or, with `row_ids`, an integer
+        seed: each row's masks then depend only on (seed, row id), whatever batch or device count it
+        falls in (evaluation uses this). `row_width` bounds every padded row length in that mode."""
         # Padding pre-tokenized ids is what pad() is for: silence its advice to call the tokenizer instead.
         self.tokenizer.deprecation_warnings["Asking-to-pad-a-fast-tokenizer"] = True
         batch = self.tokenizer.pad(examples, pad_to_multiple_of=pad_to_multiple_of, return_tensors="np")
         special_tokens_mask = batch.pop("special_tokens_mask", None)
-        batch["input_ids"], batch["labels"] = self.mask_tokens(batch["input_ids"], special_tokens_mask, batch.get("attention_mask"), rng)
+        shape, vocab = batch["input_ids"].shape, self.tokenizer.vocab_size
+        if row_ids is None:
+            uniform, words = rng.random((3,) + shape), rng.integers(0, vocab, size=shape)
+        else:
+            if shape[1] > row_width:
+                raise ValueError(f"padded length {shape[1]} exceeds row_width {row_width}")
+            rows = [np.random.default_rng([rng, int(i)]) for i in row_ids]
+            uniform = np.stack([g.random((3, row_width)) for g in rows], axis=1)[:, :, : shape[1]]
+            words = np.stack([g.integers(0, vocab, size=row_width) for g in rows])[:, : shape[1]]
+        batch["input_ids"], batch["labels"] = self.mask_tokens(
+            batch["input_ids"], special_tokens_mask, batch.get("attention_mask"), uniform, words.astype(batch["input_ids"].dtype)
+        )
         return dict(batch)
 
-    def mask_tokens(self, input_ids, special_tokens_mask, attention_mask, rng):
+    def mask_tokens(self, input_ids, special_tokens_mask, attention_mask, uniform, random_words):
+        """`uniform`: three [0, 1) draws per token (select, replace by mask, replace at random);
+        `random_words`: the replacement token ids."""
         inputs, labels = input_ids.copy(), input_ids.copy()
         # Special tokens never become targets: those the tokenizer added (special_tokens_mask), padding
         # (attention_mask 0), and special tokens written in the text itself, such as PTB's literal <unk>.
@@ -242,12 +257,11 @@ class FlaxDataCollatorForLanguageModeling:
             maskable &= ~special_tokens_mask.astype(bool)
         if attention_mask is not None:
             maskable &= attention_mask.astype(bool)
-        masked_indices = (rng.random(labels.shape) < self.mlm_probability) & maskable
+        masked_indices = (uniform[0] < self.mlm_probability) & maskable
         labels[~masked_indices] = -100
-        indices_replaced = (rng.random(labels.shape) < 0.8) & masked_indices
+        indices_replaced = (uniform[1] < 0.8) & masked_indices
         inputs[indices_replaced] = self.tokenizer.mask_token_id
-        indices_random = (rng.random(labels.shape) < 0.5) & masked_indices & ~indices_replaced
-        random_words = rng.integers(0, self.tokenizer.vocab_size, size=labels.shape, dtype=inputs.dtype)
+        indices_random = (uniform[2] < 0.5) & masked_indices & ~indices_replaced
         inputs[indices_random] = random_words[indices_random]
         return inputs, labels
 
@@ -300,6 +314,12 @@ def mlm_sums(logits, labels):
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, safe_labels) * label_mask
     accuracy = (jnp.argmax(logits, axis=-1) == labels) * label_mask
     return loss.sum(), accuracy.sum(), label_mask.sum()
+
+
+def unreplicate(tree):
+    """The first local replica of a pmapped value, on the host. Unlike flax's `jax_utils.unreplicate`
+    (`x[0]`), it also works on multi-host runs, where the other replicas are not addressable here."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
 
 def dummy_rows(batch, num_rows, pad_token_id):
@@ -509,7 +529,8 @@ def main():
 
     # Model
     rng = jax.random.PRNGKey(training_args.seed)
-    dropout_rngs = jax.random.split(rng, local_devices)
+    # One dropout key per global device, so a multi-host run draws what a single host with as many devices draws.
+    dropout_rngs = jax.random.split(rng, num_devices)[process_index * local_devices : (process_index + 1) * local_devices]
     dtype = getattr(jnp, model_args.dtype)
     if model_args.model_name_or_path:
         model = FlaxAutoModelForMaskedLM.from_pretrained(model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, **hub_kwargs)
@@ -562,6 +583,7 @@ def main():
 
     data_collator = FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=data_args.mlm_probability)
     eval_dataset = tokenized_datasets["validation"] if training_args.do_eval else None
+    eval_row_width = -(-max_seq_length // 16) * 16  # longest row after padding to a multiple of 16
 
     def local_slice(batch, local_size):
         """Every process collates the same global batch; each feeds its own rows to its devices."""
@@ -569,15 +591,16 @@ def main():
         return shard({k: v[start : start + local_size] for k, v in batch.items()})
 
     def evaluate(params):
-        # The same masks at every evaluation: a fresh generator with a fixed seed.
-        eval_rng = np.random.default_rng(training_args.seed)
+        # The same masks at every evaluation, and whatever the batch size or device count: each
+        # example's masks are drawn from (seed, example index).
         num_eval = len(eval_dataset)
         sums = {"loss": 0.0, "accuracy": 0.0, "normalizer": 0.0}
         batches = generate_batch_splits(np.arange(num_eval), eval_batch_size, drop_last=False)
         for batch_idx in tqdm(batches, desc="Evaluating ...", position=2, leave=False, disable=not is_main):
-            batch = data_collator(eval_dataset[batch_idx], eval_rng, pad_to_multiple_of=16)
+            batch = data_collator(eval_dataset[batch_idx], training_args.seed, pad_to_multiple_of=16, row_ids=batch_idx,
+                                  row_width=eval_row_width)
             batch = dummy_rows(batch, eval_batch_size - len(batch_idx), tokenizer.pad_token_id)
-            metrics = jax.device_get(jax_utils.unreplicate(p_eval_step(params, local_slice(batch, local_eval))))
+            metrics = unreplicate(p_eval_step(params, local_slice(batch, local_eval)))
             for k in sums:
                 sums[k] += float(metrics[k])
         normalizer = max(sums["normalizer"], 1.0)
@@ -600,7 +623,7 @@ def main():
     def save(params, step):
         if not is_main:
             return
-        params = jax.device_get(jax_utils.unreplicate(params))
+        params = unreplicate(params)
         save_checkpoint(model, params, tokenizer, training_args.output_dir, step)
         if api is not None:
             api.upload_folder(commit_message=f"Saving weights and logs of step {step}", folder_path=training_args.output_dir,
@@ -632,8 +655,8 @@ def main():
                 window_losses.append(train_metric["loss"])
 
                 if cur_step % training_args.logging_steps == 0 or cur_step == total_train_steps:
-                    losses = jax.device_get([x[0] for x in window_losses])
-                    lr = float(jax.device_get(train_metric["learning_rate"][0]))
+                    losses = [unreplicate(x) for x in window_losses]
+                    lr = float(unreplicate(train_metric["learning_rate"]))
                     train_loss = float(np.mean(losses))
                     window_losses = []
                     progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")

@@ -130,3 +130,23 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert abs(float(schedule(10)) - 1.0) < 1e-6
     assert abs(float(schedule(55)) - 0.5) < 1e-6
     assert float(schedule(100)) == 0.0
+
+
+def test_eval_masks_depend_on_the_example_not_the_batch(tokenizer):
+    """Evaluation draws each example's masks from (seed, index): the same whatever the batching."""
+    collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer)
+    rng = np.random.default_rng(3)
+    examples = [rng.integers(5, 1000, size=n).tolist() for n in rng.integers(5, 60, size=24)]
+    ids = np.arange(100, 124)
+
+    def collate(rows):
+        batch = {"input_ids": [examples[i] for i in rows], "attention_mask": [[1] * len(examples[i]) for i in rows]}
+        out = collator(batch, 7, pad_to_multiple_of=16, row_ids=ids[rows], row_width=64)
+        return {i: out["labels"][k][: len(examples[i])].tolist() for k, i in enumerate(rows)}
+
+    whole = collate(list(range(24)))
+    pieces = {}
+    for rows in ([5, 0, 17], list(range(1, 5)), list(range(6, 17)), list(range(18, 24))):
+        pieces.update(collate(rows))
+    assert pieces == whole
+    assert sum(label != -100 for labels in whole.values() for label in labels) > 20
