@@ -37,6 +37,10 @@ from itertools import chain
 from pathlib import Path
 from typing import Optional
 
+# This script never uses TensorFlow, but transformers imports it (about 3 s) to test whether a
+# tensor is a TF tensor when both are installed. USE_TF=1 in the environment still overrides.
+os.environ.setdefault("USE_TF", "0")
+
 import numpy as np
 from tqdm import tqdm
 
@@ -182,6 +186,10 @@ def validate_args(model_args, data_args, training_args):
         with open(path, "rb") as f:
             if not f.read(1 << 20).strip():
                 fail(f"{flag} {path} is empty")
+    if data_args.train_file and data_args.validation_file:
+        extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
+        if len(extensions) > 1:
+            fail(f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}")
     for flag in ("train_ref_file", "validation_ref_file"):
         if getattr(data_args, flag):
             logger.warning(f"--{flag} is accepted for compatibility with upstream but not used (no whole word masking here)")
@@ -580,6 +588,9 @@ def main():
 
     p_train_step = jax.pmap(train_step, "batch", donate_argnums=(0,))
     p_eval_step = jax.pmap(eval_step, "batch")
+    # Replicas placed by a pmap carry the same sharding (a mesh axis named "batch") as the steps'
+    # outputs; placed by flax's replicate() they do not, and the train step compiled a second time.
+    to_devices = jax.pmap(lambda x: x, "batch")
 
     data_collator = FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=data_args.mlm_probability)
     eval_dataset = tokenized_datasets["validation"] if training_args.do_eval else None
@@ -632,7 +643,8 @@ def main():
     last_eval, last_eval_step = None, None
     cur_step = 0
     if training_args.do_train:
-        state = jax_utils.replicate(state)
+        state = to_devices(jax_utils.replicate(state))
+        dropout_rngs = to_devices(dropout_rngs)
         train_rng = np.random.default_rng(training_args.seed)
         num_epochs = math.ceil(total_train_steps / steps_per_epoch)
         logger.info(f"***** Running training *****\n  Num examples = {num_train_samples}\n  Num epochs = {num_epochs}\n"
@@ -691,7 +703,7 @@ def main():
             write_json(os.path.join(training_args.output_dir, "train_results.json"), train_results)
         params = state.params
     else:
-        params = jax_utils.replicate(state.params)
+        params = to_devices(jax_utils.replicate(state.params))
 
     if training_args.do_eval:
         if last_eval is None or last_eval_step != cur_step:

@@ -91,6 +91,30 @@ def test_checkpoint_logits_identical_after_reload(trained):
     assert not list(out.glob(".tmp-checkpoint-*"))
 
 
+def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, tmp_path):
+    """The other upstream paths in one short run: --line_by_line with --pad_to_max_length on a JSON-lines
+    file, --adafactor, --dtype bfloat16 and --gradient_checkpointing."""
+    files = {}
+    for split, n in (("train", 600), ("validation", 100)):
+        lines = (corpus / f"{split}_slice.txt").read_text().splitlines()[:n]
+        files[split] = tmp_path / f"{split}.json"
+        files[split].write_text("".join(json.dumps({"id": i, "text": line}) + "\n" for i, line in enumerate(lines)))
+    out = tmp_path / "out"
+    args = mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--line_by_line", "--pad_to_max_length",
+                    "--adafactor", "--dtype", "bfloat16", "--gradient_checkpointing", "--per_device_train_batch_size", "16",
+                    "--max_steps", "8", "--logging_steps", "4", "--learning_rate", "1e-3")
+    args[args.index("--train_file") + 1] = str(files["train"])
+    args[args.index("--validation_file") + 1] = str(files["validation"])
+    result = check_ok(run(args))
+    assert len(logged_losses(result.stdout + result.stderr)) == 2
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert math.isfinite(metrics["eval_loss"])
+    # line by line: one example per non-empty validation line, each padded to 64 tokens
+    assert metrics["eval_samples"] == sum(1 for line in (corpus / "validation_slice.txt").read_text().splitlines()[:100] if line.strip())
+    train_results = json.loads((out / "train_results.json").read_text())
+    assert train_results["train_steps"] == 8 and train_results["max_seq_length"] == 64
+
+
 def logged_losses(log):
     return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
 
@@ -146,10 +170,13 @@ def test_empty_train_file(bad, tmp_path):
     assert "empty" in bad(train_file=empty)
 
 
-def test_unsupported_extension(bad, tmp_path):
+def test_unsupported_or_mixed_extension(bad, tmp_path):
     odd = tmp_path / "train.parquet"
     odd.write_text("text")
     assert "extension" in bad(train_file=odd)
+    lines = tmp_path / "train.json"
+    lines.write_text('{"text": "a b c"}\n')
+    assert "same extension" in bad(train_file=lines)
 
 
 def test_output_dir_not_empty(bad, tmp_path):
