@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""Convert a checkpoint written by the Flax scripts into a PyTorch transformers model (safetensors).
+
+`PTModel.from_pretrained(flax_dir, from_flax=True)` is broken in transformers 4.57.6: the weights stay
+on the `meta` device and the first forward pass fails. This builds the PyTorch model from the config,
+loads the Flax weights into it with `load_flax_checkpoint_in_pytorch_model`, saves it with
+`save_pretrained` (model.safetensors) beside a copy of the tokenizer, and then checks that PyTorch and
+Flax give the same logits on a random batch (max abs difference <= --tolerance, default 1e-4).
+
+Example:
+  python flax/export_to_pytorch.py --model_dir out/main/run --output_dir out/main/pytorch
+  python -c "from transformers import AutoModelForMaskedLM as M; M.from_pretrained('out/main/pytorch')"
+"""
+
+import argparse
+import os
+import sys
+
+# This script never uses TensorFlow; keep transformers from importing it.
+os.environ.setdefault("USE_TF", "0")
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+from transformers.modeling_flax_pytorch_utils import load_flax_checkpoint_in_pytorch_model
+
+
+def fail(message):
+    sys.exit(f"export_to_pytorch.py: error: {message}")
+
+
+def model_classes(config):
+    """The Flax class the checkpoint was saved from and its PyTorch twin, from config.architectures
+    (Flax's save_pretrained writes the PyTorch name there, e.g. RobertaForMaskedLM)."""
+    for name in config.architectures or []:
+        name = name[4:] if name.startswith("Flax") else name
+        if hasattr(transformers, name) and hasattr(transformers, f"Flax{name}"):
+            return getattr(transformers, f"Flax{name}"), getattr(transformers, name)
+    fail(f"config.architectures is {config.architectures}: no architecture with both a Flax and a PyTorch class; "
+         "was the checkpoint written by save_pretrained of a Flax model?")
+
+
+def compare_logits(flax_model, pt_model, config, seed=0, batch=2, length=16):
+    """Largest absolute logit difference between the Flax and PyTorch models on random token ids."""
+    rng = np.random.default_rng(seed)
+    low = 5 if config.vocab_size > 10 else 0  # stay clear of the special tokens
+    input_ids = rng.integers(low, config.vocab_size, size=(batch, length)).astype("i4")
+    inputs = {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids)}
+    if config.is_encoder_decoder:
+        decoder_input_ids = rng.integers(low, config.vocab_size, size=(batch, length // 2)).astype("i4")
+        inputs["decoder_input_ids"] = decoder_input_ids
+    flax_logits = np.asarray(flax_model(**inputs).logits, dtype=np.float32)
+    with torch.no_grad():
+        pt_logits = pt_model(**{k: torch.from_numpy(v.astype("int64")) for k, v in inputs.items()}).logits.numpy()
+    return float(np.abs(flax_logits - pt_logits).max())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_dir", required=True, help="folder with config.json and flax_model.msgpack")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--overwrite_output_dir", action="store_true")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference")
+    args = parser.parse_args(argv)
+
+    weights = os.path.join(args.model_dir, "flax_model.msgpack")
+    if not os.path.isfile(weights):
+        fail(f"--model_dir {args.model_dir} has no flax_model.msgpack")
+    if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
+        fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    config = AutoConfig.from_pretrained(args.model_dir)
+    flax_cls, pt_cls = model_classes(config)
+
+    # transformers warns that tied output weights (e.g. RoBERTa's lm_head.decoder) were "newly
+    # initialized": they are tied to the loaded embeddings. The logit check below is the real test.
+    transformers.logging.set_verbosity_error()
+    pt_model = pt_cls(config)
+    pt_model = load_flax_checkpoint_in_pytorch_model(pt_model, weights)
+    pt_model.tie_weights()
+    pt_model.eval()
+    flax_model = flax_cls.from_pretrained(args.model_dir)
+    difference = compare_logits(flax_model, pt_model, config)
+    if not difference <= args.tolerance:
+        fail(f"PyTorch and Flax logits differ by {difference:.2e} (> --tolerance {args.tolerance}); nothing written")
+
+    pt_model.save_pretrained(args.output_dir, safe_serialization=True)
+    if any(os.path.exists(os.path.join(args.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(args.model_dir).save_pretrained(args.output_dir)
+    else:
+        print(f"No tokenizer in {args.model_dir}: only the model was exported", file=sys.stderr)
+    print(f"Exported {pt_cls.__name__} to {args.output_dir} (model.safetensors); "
+          f"max |logit difference| vs Flax: {difference:.2e}")
+
+
+if __name__ == "__main__":
+    main()
