@@ -2,8 +2,9 @@
 """Train the tokenizer of the README from local text files.
 
   byte_level_bpe  A ByteLevelBPE tokenizer with the special tokens <s> <pad> </s> <unk> <mask>
-                  (ids 0..4), as the README trains for RoBERTa. A RoBERTa post-processor wraps
-                  every sequence in <s> ... </s>.
+                  (ids 0..4), as the README trains for RoBERTa and GPT-2. With --model_type roberta
+                  (default) a post-processor wraps every sequence in <s> ... </s>; with gpt2 the
+                  text is encoded as is (GPT2TokenizerFast), as a causal LM wants.
 
 The output folder gets tokenizer.json plus tokenizer_config.json / special_tokens_map.json, so
 ``AutoTokenizer.from_pretrained(output_dir)`` works with no config.json beside it, and the
@@ -19,7 +20,7 @@ import os
 import sys
 
 from tokenizers import ByteLevelBPETokenizer, processors
-from transformers import RobertaTokenizerFast
+from transformers import GPT2TokenizerFast, RobertaTokenizerFast
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
@@ -59,12 +60,15 @@ def batch_iterator(paths, batch_size=1000):
         yield batch
 
 
-def train_byte_level_bpe(paths, num_lines, vocab_size, min_frequency, model_max_length):
+def train_byte_level_bpe(paths, num_lines, vocab_size, min_frequency, model_max_length, model_type):
     tokenizer = ByteLevelBPETokenizer()
     tokenizer.train_from_iterator(
         batch_iterator(paths), vocab_size=vocab_size, min_frequency=min_frequency,
         special_tokens=SPECIAL_TOKENS, show_progress=True, length=(num_lines + 999) // 1000,
     )
+    if model_type == "gpt2":
+        return GPT2TokenizerFast(tokenizer_object=tokenizer._tokenizer, model_max_length=model_max_length, bos_token="<s>",
+                                 eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
     tokenizer.post_processor = processors.RobertaProcessing(
         sep=("</s>", tokenizer.token_to_id("</s>")), cls=("<s>", tokenizer.token_to_id("<s>"))
     )
@@ -77,8 +81,10 @@ def main(argv=None):
     parser.add_argument("--train_file", action="append", required=True, help="text file; repeat for several")
     parser.add_argument("--vocab_size", type=int, default=50265)
     parser.add_argument("--min_frequency", type=int, default=2)
-    parser.add_argument("--model_max_length", type=int, default=512,
-                        help="longest sequence the model takes (roberta-base: 512)")
+    parser.add_argument("--model_type", choices=["roberta", "gpt2"], default="roberta",
+                        help="the model the tokenizer is for: roberta adds <s> ... </s>, gpt2 adds nothing")
+    parser.add_argument("--model_max_length", type=int,
+                        help="longest sequence the model takes (default: roberta-base 512, gpt2 1024)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--overwrite_output_dir", action="store_true")
     args = parser.parse_args(argv)
@@ -89,7 +95,8 @@ def main(argv=None):
         fail(f"{args.output_dir} already holds a tokenizer.json; pass --overwrite_output_dir to replace it")
     num_lines = check_text_files(args.train_file)
 
-    tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, args.model_max_length)
+    max_length = args.model_max_length or {"roberta": 512, "gpt2": 1024}[args.model_type]
+    tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, max_length, args.model_type)
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer.save_pretrained(args.output_dir)
     print(f"Saved a {len(tokenizer):,}-token {args.tokenizer_type} tokenizer to {args.output_dir}")

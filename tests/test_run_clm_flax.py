@@ -1,0 +1,116 @@
+"""flax/run_clm_flax.py end to end on a slice of the real default corpus, its loss, and its bad-input errors."""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from conftest import check_ok, error_line, load_script, run
+
+SCRIPT = "flax/run_clm_flax.py"
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+clm = load_script(SCRIPT, "run_clm_flax")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt2")
+    check_ok(run(["tokenizers/train_tokenizer.py", "--model_type", "gpt2", "--train_file", str(corpus / "train.txt"),
+                  "--vocab_size", "1000", "--output_dir", str(out)]))
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "gpt2", "--tokenizer_name", str(out),
+                  "--config_overrides", "n_embd=64,n_layer=2,n_head=2", "--output_dir", str(out)]))
+    return out
+
+
+def clm_args(model_dir, corpus, output_dir, *extra):
+    return [SCRIPT, "--output_dir", str(output_dir), "--model_type", "gpt2", "--config_name", str(model_dir),
+            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
+            "--validation_file", str(corpus / "validation_slice.txt"), "--block_size", "64",
+            "--per_device_eval_batch_size", "16", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(gpt2_dir, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clm")
+    result = check_ok(run(clm_args(gpt2_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
+                                   "--learning_rate", "3e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
+                                   "--logging_steps", "10", "--overwrite_output_dir"), env=TWO_DEVICES))
+    return out, result
+
+
+def test_tokenizer_for_gpt2_adds_no_special_tokens(gpt2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_dir)
+    assert type(tokenizer).__name__ == "GPT2TokenizerFast" and tokenizer.model_max_length == 1024
+    ids = tokenizer("the market fell\n")["input_ids"]
+    assert set(ids).isdisjoint(tokenizer.all_special_ids)
+    assert tokenizer.decode(ids) == "the market fell\n"
+
+
+def test_trains_on_two_devices_loss_falls_and_metrics_written(trained, corpus):
+    out, result = trained
+    log = result.stdout + result.stderr
+    assert "2 devices" in log
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+    assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert metrics["eval_loss"] < math.log(1000) - 1.0  # well below a uniform guess over the vocabulary
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-6)
+    assert 0.05 < metrics["eval_accuracy"] < 1.0
+    # Every validation block is evaluated: block_size - 1 predictions per full block.
+    assert metrics["eval_predicted_tokens"] >= 63 * (metrics["eval_samples"] - 1)
+    assert list(out.glob("events.out.tfevents.*"))
+
+
+def test_checkpoint_reloads_to_identical_eval(trained, gpt2_dir, corpus, tmp_path):
+    out, _ = trained
+    args = clm_args(gpt2_dir, corpus, tmp_path / "reloaded", "--do_eval", "--model_name_or_path", str(out))
+    args[args.index("--config_name") + 1] = str(out)
+    check_ok(run(args))  # one device, other batching
+    first = json.loads((out / "eval_results.json").read_text())
+    again = json.loads((tmp_path / "reloaded" / "eval_results.json").read_text())
+    assert again["eval_predicted_tokens"] == first["eval_predicted_tokens"]
+    assert again["eval_loss"] == pytest.approx(first["eval_loss"], abs=1e-5)
+
+
+def test_padding_is_masked_out_of_the_loss():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 6, 11)).astype("f4")
+    ids = rng.integers(0, 11, size=(2, 6)).astype("i4")
+    full = np.ones_like(ids)
+    loss, acc, count = (float(x) for x in clm.clm_sums(logits, ids, full))
+    assert count == 10
+    # The same rows with three padding positions appended (any logits, any ids): nothing changes.
+    pad_logits = np.concatenate([logits, rng.normal(size=(2, 3, 11)).astype("f4")], axis=1)
+    pad_ids = np.concatenate([ids, rng.integers(0, 11, size=(2, 3)).astype("i4")], axis=1)
+    pad_mask = np.concatenate([full, np.zeros((2, 3), "i4")], axis=1)
+    padded = [float(x) for x in clm.clm_sums(pad_logits, pad_ids, pad_mask)]
+    assert padded == pytest.approx([loss, acc, count], rel=1e-6)
+    # And the loss is the mean next-token cross-entropy over real positions.
+    logp = logits[:, :-1] - np.log(np.exp(logits[:, :-1]).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(logp, ids[:, 1:, None], -1).sum()
+    assert loss == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_bad_input(gpt2_dir, corpus, tmp_path):
+    def bad(*extra, env=None, output_dir=None, train_file=None):
+        args = clm_args(gpt2_dir, corpus, output_dir or tmp_path / "out", "--do_train", *extra)
+        if train_file is not None:
+            args[args.index("--train_file") + 1] = str(train_file)
+        return error_line(run(args, env=env), "run_clm_flax.py")
+
+    assert "does not exist" in bad(train_file=tmp_path / "missing.txt")
+    short = tmp_path / "short"
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "gpt2", "--tokenizer_name", str(gpt2_dir),
+                  "--config_overrides", "n_embd=64,n_layer=2,n_head=2,n_positions=32", "--output_dir", str(short)]))
+    assert "--block_size 64 is longer than the model's 32 positions" in bad("--config_name", str(short))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    assert "--overwrite_output_dir" in bad(output_dir=busy)
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    assert "--dataset_name" in bad("--dataset_name", "wikitext", env=offline)
+    assert not (tmp_path / "out").exists()
