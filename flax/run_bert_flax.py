@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+# Reproduction of Hugging Face's Flax BERT inference timing example (Apache-2.0 upstream), rewritten for
+# transformers 4.57.6 / jax 0.9.2, offline by default.
+"""Inference throughput of FlaxBertModel in float32 or bfloat16 on random token ids.
+
+Upstream (batch 32, length 128, 5 warm-up and 100 timed calls) never waits for the results, so it
+times how fast calls are dispatched, not computed. Here every timed call blocks until its output is
+ready, the warm-up (which includes compilation) is excluded, and the median call time is reported with
+examples/s and tokens/s. With --precision bfloat16 both the computation (`dtype`) and the weights are
+bfloat16. Offline it builds bert-base-uncased from its published config (random weights: fine for
+timing); --config_name takes a local folder or, online, a hub name.
+
+Example:
+  python flax/run_bert_flax.py --precision float32 --num_iterations 20
+  python flax/run_bert_flax.py --precision bfloat16 --num_iterations 20
+  XLA_FLAGS=--xla_cpu_use_thunk_runtime=false python flax/run_bert_flax.py --precision bfloat16
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+os.environ.setdefault("USE_TF", "0")  # never needed here; transformers would import it
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+from transformers import AutoConfig, BertConfig, FlaxBertModel, HfArgumentParser
+
+
+@dataclass
+class BenchmarkArguments:
+    precision: str = field(default="float32", metadata={"help": "float32 or bfloat16", "choices": ["float32", "bfloat16"]})
+    batch_size: int = field(default=32, metadata={"help": "Sequences per call."})
+    seq_length: int = field(default=128, metadata={"help": "Tokens per sequence."})
+    num_warmup: int = field(default=5, metadata={"help": "Untimed calls first (the first one compiles)."})
+    num_iterations: int = field(default=100, metadata={"help": "Timed calls."})
+    seed: int = field(default=0, metadata={"help": "Seed of the random weights and token ids."})
+    config_name: Optional[str] = field(default=None, metadata={"help": "A BERT config folder (default: bert-base-uncased, built locally)."})
+    config_overrides: Optional[str] = field(default=None, metadata={"help": 'e.g. "hidden_size=64,num_hidden_layers=2" (for tests)'})
+    output_file: Optional[str] = field(default=None, metadata={"help": "Also write the results as JSON here."})
+
+
+def fail(message):
+    sys.exit(f"run_bert_flax.py: error: {message}")
+
+
+def build_model(args):
+    if args.config_name:
+        try:
+            config = AutoConfig.from_pretrained(args.config_name)
+        except (OSError, ValueError) as e:
+            fail(f"--config_name {args.config_name!r}: {str(e).splitlines()[0]}")
+    else:
+        config = BertConfig()  # its defaults are bert-base-uncased: 12 layers, hidden 768, vocab 30522
+    if args.config_overrides:
+        try:
+            config.update_from_string(args.config_overrides)
+        except ValueError as e:
+            fail(f"--config_overrides: {e}")
+    if args.seq_length > config.max_position_embeddings:
+        fail(f"--seq_length {args.seq_length} is longer than the model's {config.max_position_embeddings} positions")
+    dtype = jnp.bfloat16 if args.precision == "bfloat16" else jnp.float32
+    model = FlaxBertModel(config, dtype=dtype, seed=args.seed)
+    params = model.to_bf16(model.params) if args.precision == "bfloat16" else model.params
+    return model, params, config
+
+
+def main():
+    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
+    for name in ("batch_size", "seq_length", "num_iterations"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    model, params, config = build_model(args)
+    rng = np.random.default_rng(args.seed)
+    input_ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_length)), dtype=jnp.int32)
+
+    # Weights and inputs are arguments, not constants folded into the compiled program.
+    @jax.jit
+    def forward(params, input_ids):
+        return model(input_ids, params=params, train=False).last_hidden_state
+
+    start = time.perf_counter()
+    for _ in range(max(args.num_warmup, 1)):
+        forward(params, input_ids).block_until_ready()
+    warmup_s = time.perf_counter() - start
+
+    times = []
+    for _ in tqdm(range(args.num_iterations), desc=f"Timing {args.precision}"):
+        start = time.perf_counter()
+        forward(params, input_ids).block_until_ready()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    results = {
+        "precision": args.precision,
+        "batch_size": args.batch_size,
+        "seq_length": args.seq_length,
+        "num_iterations": args.num_iterations,
+        "warmup_s": warmup_s,
+        "median_s": median,
+        "min_s": min(times),
+        "examples_per_second": args.batch_size / median,
+        "tokens_per_second": args.batch_size * args.seq_length / median,
+        "device": str(jax.devices()[0].device_kind),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    print(f"{args.precision}: median {median * 1000:.1f} ms per call of {args.batch_size} x {args.seq_length} tokens, "
+          f"{results['examples_per_second']:.1f} examples/s ({results['tokens_per_second']:.0f} tokens/s); "
+          f"warm-up incl. compile {warmup_s:.1f} s")
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
