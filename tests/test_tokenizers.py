@@ -91,3 +91,21 @@ def test_config_bad_input(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     error_line(run(["tokenizers/create_config.py", "--model_type", "bert", "--output_dir", str(tmp_path)]), "create_config.py")
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_unigram_t5_tokenizer(corpus, tmp_path):
+    check_ok(run(["tokenizers/train_tokenizer.py", "--tokenizer_type", "unigram", "--train_file", str(corpus / "train_slice.txt"),
+                  "--vocab_size", "800", "--output_dir", str(tmp_path)]))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer).__name__ == "T5TokenizerFast"
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert len(tokenizer) == 900  # 800 pieces + 100 sentinels
+    # Sentinels sit above the vocabulary, <extra_id_0> last: span corruption counts down from len - 1.
+    assert tokenizer.convert_tokens_to_ids("<extra_id_0>") == len(tokenizer) - 1
+    assert tokenizer.convert_tokens_to_ids("<extra_id_99>") == 800
+    ids = tokenizer("The  Market   FELL 42 points.")["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert ids[-1] == 1 and ids.count(1) == 1  # </s> appended once
+    assert "4" in tokens and "2" in tokens and "42" not in tokens and "▁42" not in tokens  # individual digits
+    assert "." in tokens  # punctuation split off
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "the market fell 42 points."  # lowercased, spaces collapsed

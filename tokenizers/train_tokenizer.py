@@ -5,6 +5,11 @@
                   (ids 0..4), as the README trains for RoBERTa and GPT-2. With --model_type roberta
                   (default) a post-processor wraps every sequence in <s> ... </s>; with gpt2 the
                   text is encoded as is (GPT2TokenizerFast), as a causal LM wants.
+  unigram         The README's T5 SentencePiece-Unigram tokenizer (flax/t5_tokenizer_model.py):
+                  pad=0, eos=1, unk=2, </s> appended. Wrapped as T5TokenizerFast with 100 sentinel
+                  tokens <extra_id_0..99> added after the vocabulary, <extra_id_0> last, so the
+                  sentinels of span corruption (counting down from len(tokenizer) - 1) are never
+                  real words.
 
 The output folder gets tokenizer.json plus tokenizer_config.json / special_tokens_map.json, so
 ``AutoTokenizer.from_pretrained(output_dir)`` works with no config.json beside it, and the
@@ -16,11 +21,12 @@ Example:
 """
 
 import argparse
+import importlib.util
 import os
 import sys
 
 from tokenizers import ByteLevelBPETokenizer, processors
-from transformers import GPT2TokenizerFast, RobertaTokenizerFast
+from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
@@ -75,28 +81,47 @@ def train_byte_level_bpe(paths, num_lines, vocab_size, min_frequency, model_max_
     return RobertaTokenizerFast(tokenizer_object=tokenizer._tokenizer, model_max_length=model_max_length)
 
 
+def train_unigram(paths, num_lines, vocab_size, model_max_length, num_sentinels=100):
+    # The model lives beside the T5 script; load it by path (the flax/ folder must stay no package).
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flax", "t5_tokenizer_model.py")
+    spec = importlib.util.spec_from_file_location("t5_tokenizer_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tokenizer = module.SentencePieceUnigramTokenizer(unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.train_from_iterator(batch_iterator(paths), vocab_size=vocab_size, show_progress=True,
+                                  length=(num_lines + 999) // 1000)
+    sentinels = [f"<extra_id_{i}>" for i in reversed(range(num_sentinels))]
+    return T5TokenizerFast(tokenizer_object=tokenizer._tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                           extra_ids=num_sentinels, additional_special_tokens=sentinels, model_max_length=model_max_length)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer_type", choices=["byte_level_bpe"], default="byte_level_bpe")
+    parser.add_argument("--tokenizer_type", choices=["byte_level_bpe", "unigram"], default="byte_level_bpe")
     parser.add_argument("--train_file", action="append", required=True, help="text file; repeat for several")
     parser.add_argument("--vocab_size", type=int, default=50265)
     parser.add_argument("--min_frequency", type=int, default=2)
     parser.add_argument("--model_type", choices=["roberta", "gpt2"], default="roberta",
                         help="the model the tokenizer is for: roberta adds <s> ... </s>, gpt2 adds nothing")
     parser.add_argument("--model_max_length", type=int,
-                        help="longest sequence the model takes (default: roberta-base 512, gpt2 1024)")
+                        help="longest sequence the model takes (default: roberta 512, gpt2 1024, unigram/T5 512)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--overwrite_output_dir", action="store_true")
     args = parser.parse_args(argv)
 
-    if args.vocab_size < len(SPECIAL_TOKENS) + 256:
+    if args.tokenizer_type == "byte_level_bpe" and args.vocab_size < len(SPECIAL_TOKENS) + 256:
         fail(f"--vocab_size {args.vocab_size} is too small: a byte-level BPE needs at least {len(SPECIAL_TOKENS) + 256}")
+    if args.tokenizer_type == "unigram" and args.vocab_size < 10:
+        fail(f"--vocab_size {args.vocab_size} is too small for a unigram tokenizer")
     if os.path.exists(os.path.join(args.output_dir, "tokenizer.json")) and not args.overwrite_output_dir:
         fail(f"{args.output_dir} already holds a tokenizer.json; pass --overwrite_output_dir to replace it")
     num_lines = check_text_files(args.train_file)
 
-    max_length = args.model_max_length or {"roberta": 512, "gpt2": 1024}[args.model_type]
-    tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, max_length, args.model_type)
+    if args.tokenizer_type == "unigram":
+        tokenizer = train_unigram(args.train_file, num_lines, args.vocab_size, args.model_max_length or 512)
+    else:
+        max_length = args.model_max_length or {"roberta": 512, "gpt2": 1024}[args.model_type]
+        tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, max_length, args.model_type)
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer.save_pretrained(args.output_dir)
     print(f"Saved a {len(tokenizer):,}-token {args.tokenizer_type} tokenizer to {args.output_dir}")
