@@ -1,0 +1,132 @@
+"""flax/run_t5_mlm_flax.py: T5 span corruption against its specification, and the script end to end."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import check_ok, error_line, load_script, run
+
+SCRIPT = "flax/run_t5_mlm_flax.py"
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+t5 = load_script(SCRIPT, "run_t5_mlm_flax")
+
+
+@pytest.fixture(scope="module")
+def t5_dir(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("t5")
+    check_ok(run(["tokenizers/train_tokenizer.py", "--tokenizer_type", "unigram", "--train_file", str(corpus / "train.txt"),
+                  "--vocab_size", "1000", "--output_dir", str(out)]))
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "t5", "--tokenizer_name", str(out), "--output_dir", str(out),
+                  "--config_overrides", "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2"]))
+    return out
+
+
+def make_collator(tokenizer, length, density, span):
+    expanded, targets = t5.compute_input_and_target_lengths(length, density, span)
+    collator = t5.FlaxDataCollatorForT5MLM(tokenizer=tokenizer, noise_density=density, mean_noise_span_length=span,
+                                           input_length=length, target_length=targets, pad_token_id=0, decoder_start_token_id=0)
+    return collator, expanded, targets
+
+
+SETTINGS = [(64, 0.15, 3.0), (128, 0.15, 3.0), (512, 0.15, 3.0), (100, 0.3, 2.0), (37, 0.5, 1.0), (256, 0.15, 8.0)]
+
+
+@pytest.mark.parametrize("length,density,span", SETTINGS)
+def test_span_corruption_spec(t5_dir, length, density, span):
+    tokenizer = AutoTokenizer.from_pretrained(t5_dir)
+    collator, expanded, targets = make_collator(tokenizer, length, density, span)
+    rng = np.random.default_rng(length)
+    first_sentinel = len(tokenizer) - 1
+    # Real token ids only (no sentinels), with literal <pad> (id 0) sprinkled in: upstream #15443/#15835.
+    ids = rng.integers(3, 1000, size=(16, expanded))
+    ids[rng.random(ids.shape) < 0.05] = 0
+    batch = collator({"input_ids": ids.tolist()}, rng)
+    assert batch["input_ids"].shape == (16, length) and batch["labels"].shape == (16, targets)
+    assert batch["decoder_input_ids"].shape == (16, targets)
+    assert (batch["decoder_input_ids"][:, 0] == 0).all()
+    assert (batch["decoder_input_ids"][:, 1:] == batch["labels"][:, :-1]).all()
+    for row in range(16):
+        inputs, labels = batch["input_ids"][row].tolist(), batch["labels"][row].tolist()
+        assert inputs[-1] == tokenizer.eos_token_id and labels[-1] == tokenizer.eos_token_id
+        inputs, labels = inputs[:-1], labels[:-1]
+        in_sentinels = [t for t in inputs if t > 999]
+        # Sentinels are distinct, count down from len(tokenizer) - 1, and the same in input and target.
+        assert in_sentinels == list(range(first_sentinel, first_sentinel - len(in_sentinels), -1))
+        assert [t for t in labels if t > 999] == in_sentinels and labels[0] == first_sentinel
+        # Every original token appears exactly once across input and target, in order.
+        spans, current = {}, None
+        for t in labels:
+            if t > 999:
+                current = t
+                spans[current] = []
+            else:
+                spans[current].append(t)
+        rebuilt = [piece for t in inputs for piece in (spans[t] if t > 999 else [t])]
+        assert rebuilt == ids[row].tolist()
+        noise = sum(len(v) for v in spans.values())
+        assert noise == int(round(expanded * density)) or noise in (1, expanded - 1)
+
+
+def test_noise_mask_spans_have_the_requested_mean(t5_dir):
+    tokenizer = AutoTokenizer.from_pretrained(t5_dir)
+    collator, _, _ = make_collator(tokenizer, 512, 0.15, 3.0)
+    rng = np.random.default_rng(0)
+    masks = np.array([collator.random_spans_noise_mask(568, rng) for _ in range(200)])
+    assert abs(masks.mean() - 0.15) < 0.002
+    starts = (masks[:, 1:] & ~masks[:, :-1]).sum()
+    assert abs(masks.sum() / starts - 3.0) < 0.2
+    assert not masks[:, 0].any()  # a non-noise span comes first
+
+
+def test_lengths_match_t5():
+    # T5's random_spans_helper for its default pretraining setting: 568 tokens -> inputs 512, targets 114.
+    assert t5.compute_input_and_target_lengths(512, 0.15, 3.0) == (568, 114)
+    # By hand: 141 tokens -> 21 noise in 7 spans -> inputs 120 + 7 + 1 = 128, targets 21 + 7 + 1 = 29;
+    # 142 tokens would give 129 inputs.
+    assert t5.compute_input_and_target_lengths(128, 0.15, 3.0) == (141, 29)
+    # Spans of one token: every noise token gets a sentinel, so blocks are shorter than the inputs.
+    assert t5.compute_input_and_target_lengths(37, 0.5, 1.0) == (36, 37)
+
+
+@pytest.fixture(scope="module")
+def trained(t5_dir, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("t5run")
+    args = [SCRIPT, "--output_dir", str(out), "--model_type", "t5", "--config_name", str(t5_dir), "--tokenizer_name", str(t5_dir),
+            "--train_file", str(corpus / "train_slice.txt"), "--validation_file", str(corpus / "validation_slice.txt"),
+            "--max_seq_length", "64", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16",
+            "--adafactor", "--learning_rate", "5e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
+            "--logging_steps", "10", "--do_train", "--do_eval", "--overwrite_output_dir"]
+    return out, args, check_ok(run(args, env=TWO_DEVICES))
+
+
+def test_trains_on_two_devices_and_reloads(trained, tmp_path):
+    out, args, result = trained
+    log = result.stdout + result.stderr
+    assert "2 devices" in log
+    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+    assert len(losses) >= 5 and losses[-1] < losses[0] - 2.0, losses
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert metrics["eval_loss"] < np.log(1100) and 0.05 < metrics["eval_accuracy"] < 1.0
+    assert metrics["eval_target_tokens"] == metrics["eval_samples"] * 14  # every target token of every block (targets_length 14)
+    # Reload the checkpoint on one device and evaluate the same spans: the same loss.
+    again = list(args)
+    again[again.index("--output_dir") + 1] = str(tmp_path / "again")
+    again[again.index("--config_name") + 1] = str(out)
+    again = [a for a in again if a != "--do_train"] + ["--model_name_or_path", str(out)]
+    check_ok(run(again))
+    reloaded = json.loads((tmp_path / "again" / "eval_results.json").read_text())
+    assert reloaded["eval_target_tokens"] == metrics["eval_target_tokens"]
+    assert reloaded["eval_loss"] == pytest.approx(metrics["eval_loss"], abs=1e-5)
+
+
+def test_bad_input(t5_dir, corpus, tmp_path):
+    base = [SCRIPT, "--output_dir", str(tmp_path / "o"), "--config_name", str(t5_dir), "--tokenizer_name", str(t5_dir),
+            "--train_file", str(corpus / "train_slice.txt"), "--do_train"]
+    assert "does not exist" in error_line(run(base[:-3] + ["--train_file", str(tmp_path / "nope.txt"), "--do_train"]),
+                                          "run_t5_mlm_flax.py")
+    assert "--mlm_probability" in error_line(run(base + ["--mlm_probability", "1.5"]), "run_t5_mlm_flax.py")
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_t5_mlm_flax.py")
