@@ -52,12 +52,26 @@ def corpus(tmp_path_factory):
     return out
 
 
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def make_model_dir(out, corpus, model_type, overrides, *tokenizer_args):
+    """Train a 1000-piece tokenizer on the PTB train split and write a tiny config beside it."""
+    check_ok(run(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "1000",
+                  "--output_dir", str(out), *tokenizer_args]))
+    check_ok(run(["tokenizers/create_config.py", "--model_type", model_type, "--tokenizer_name", str(out),
+                  "--config_overrides", overrides, "--output_dir", str(out)]))
+    return out
+
+
+def script_args(script, model_type, model_dir, corpus, output_dir, *extra):
+    """A Flax script's command line on the PTB slices with a tiny model (length flags go in extra)."""
+    return [script, "--output_dir", str(output_dir), "--model_type", model_type, "--config_name", str(model_dir),
+            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
+            "--validation_file", str(corpus / "validation_slice.txt"), "--per_device_eval_batch_size", "16", *extra]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(corpus, tmp_path_factory):
     """A 1000-token byte-level BPE tokenizer and a tiny RoBERTa config in one folder."""
-    out = tmp_path_factory.mktemp("tiny")
-    check_ok(run(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "1000",
-                  "--output_dir", str(out)]))
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(out),
-                  "--config_overrides", TINY_ROBERTA, "--output_dir", str(out)]))
-    return out
+    return make_model_dir(tmp_path_factory.mktemp("tiny"), corpus, "roberta", TINY_ROBERTA)

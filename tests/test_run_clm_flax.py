@@ -7,28 +7,19 @@ import re
 import numpy as np
 import pytest
 
-from conftest import check_ok, error_line, load_script, run
+from conftest import TWO_DEVICES, check_ok, error_line, load_script, make_model_dir, run, script_args
 
 SCRIPT = "flax/run_clm_flax.py"
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 clm = load_script(SCRIPT, "run_clm_flax")
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpt2")
-    check_ok(run(["tokenizers/train_tokenizer.py", "--model_type", "gpt2", "--train_file", str(corpus / "train.txt"),
-                  "--vocab_size", "1000", "--output_dir", str(out)]))
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "gpt2", "--tokenizer_name", str(out),
-                  "--config_overrides", "n_embd=64,n_layer=2,n_head=2", "--output_dir", str(out)]))
-    return out
+    return make_model_dir(tmp_path_factory.mktemp("gpt2"), corpus, "gpt2", "n_embd=64,n_layer=2,n_head=2", "--model_type", "gpt2")
 
 
 def clm_args(model_dir, corpus, output_dir, *extra):
-    return [SCRIPT, "--output_dir", str(output_dir), "--model_type", "gpt2", "--config_name", str(model_dir),
-            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
-            "--validation_file", str(corpus / "validation_slice.txt"), "--block_size", "64",
-            "--per_device_eval_batch_size", "16", *extra]
+    return script_args(SCRIPT, "gpt2", model_dir, corpus, output_dir, "--block_size", "64", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_ok, error_line, run
+from conftest import ROOT, TWO_DEVICES, check_ok, error_line, run, script_args
 
 SCRIPT = "flax/run_mlm_flax.py"
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 
 def mlm_args(model_dir, corpus, output_dir, *extra):
-    return [SCRIPT, "--output_dir", str(output_dir), "--model_type", "roberta", "--config_name", str(model_dir),
-            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
-            "--validation_file", str(corpus / "validation_slice.txt"), "--max_seq_length", "64",
-            "--per_device_eval_batch_size", "16", *extra]
+    return script_args(SCRIPT, "roberta", model_dir, corpus, output_dir, "--max_seq_length", "64", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,16 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import check_ok, error_line, load_script, run
+from conftest import TWO_DEVICES, check_ok, error_line, load_script, make_model_dir, run, script_args
 
 SCRIPT = "flax/run_t5_mlm_flax.py"
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 t5 = load_script(SCRIPT, "run_t5_mlm_flax")
 
 
 @pytest.fixture(scope="module")
 def t5_dir(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("t5")
-    check_ok(run(["tokenizers/train_tokenizer.py", "--tokenizer_type", "unigram", "--train_file", str(corpus / "train.txt"),
-                  "--vocab_size", "1000", "--output_dir", str(out)]))
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "t5", "--tokenizer_name", str(out), "--output_dir", str(out),
-                  "--config_overrides", "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2"]))
-    return out
+    return make_model_dir(tmp_path_factory.mktemp("t5"), corpus, "t5",
+                          "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2", "--tokenizer_type", "unigram")
 
 
 def make_collator(tokenizer, length, density, span):
@@ -94,11 +89,9 @@ def test_lengths_match_t5():
 @pytest.fixture(scope="module")
 def trained(t5_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("t5run")
-    args = [SCRIPT, "--output_dir", str(out), "--model_type", "t5", "--config_name", str(t5_dir), "--tokenizer_name", str(t5_dir),
-            "--train_file", str(corpus / "train_slice.txt"), "--validation_file", str(corpus / "validation_slice.txt"),
-            "--max_seq_length", "64", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16",
-            "--adafactor", "--learning_rate", "5e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
-            "--logging_steps", "10", "--do_train", "--do_eval", "--overwrite_output_dir"]
+    args = script_args(SCRIPT, "t5", t5_dir, corpus, out, "--max_seq_length", "64", "--per_device_train_batch_size", "8",
+                       "--adafactor", "--learning_rate", "5e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
+                       "--logging_steps", "10", "--do_train", "--do_eval", "--overwrite_output_dir")
     return out, args, check_ok(run(args, env=TWO_DEVICES))
 
 
