@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from html.parser import HTMLParser
 
 HANDBOOK_HTML = "./usr/share/doc/debian-handbook/html/"
