@@ -1,0 +1,757 @@
+#!/usr/bin/env python
+# Reproduction of Hugging Face's examples/flax/language-modeling/run_bart_dlm_flax.py (Apache-2.0 upstream),
+# rewritten for transformers 4.57.6 / jax 0.9.2 / flax 0.12.6, offline by default.
+"""Pretrain BART as a denoising autoencoder (sentence permutation + text infilling) in Flax.
+
+As upstream: every text is split into sentences, joined as `<s> s1 <pad> s2 <pad> ... </s>` (the
+pad token marks sentence ends inside a block), packed into blocks of --max_seq_length; the collator
+permutes the sentences of each block (--permute_sentence_ratio, 1.0) and replaces spans of tokens with
+one mask token each (text infilling: --mlm_probability 0.3 of the tokens, span lengths from a Poisson
+distribution with mean --poisson_lambda 3.0, zero-length spans dropped); the decoder reconstructs
+the original block (labels; special tokens are not scored).
+
+Sentences: upstream uses nltk.sent_tokenize, whose punkt model must be downloaded. This uses
+`sentencex` (rule-based, its rules ship in the wheel, Norwegian included); --sentence_language picks
+the rules (default "en"; "nb" for the Norwegian corpus).
+
+Differences from upstream, all fixes (the same as run_mlm_flax.py where they apply): working defaults
+for --eval_steps and --max_seq_length; no training loop without --do_train; multi-host slices;
+evaluation over every example with each example's noise drawn from (seed, index); linear-time
+group_texts; hub names only when given; atomic checkpoints; tensorboardX; --max_steps.
+
+Example (local files, see README.md):
+  python flax/run_bart_dlm_flax.py --output_dir out/bart/run --model_type bart --config_name out/bart \
+      --tokenizer_name out/bart --train_file data/nb/train.txt --validation_file data/nb/validation.txt \
+      --sentence_language nb --max_seq_length 128 --per_device_train_batch_size 16 --learning_rate 1e-3 \
+      --warmup_steps 100 --num_train_epochs 1 --do_train --do_eval
+"""
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from itertools import chain
+from pathlib import Path
+from typing import Optional
+
+# This script never uses TensorFlow, but transformers imports it (about 3 s) to test whether a
+# tensor is a TF tensor when both are installed. USE_TF=1 in the environment still overrides.
+os.environ.setdefault("USE_TF", "0")
+
+import numpy as np
+from tqdm import tqdm
+
+import datasets
+from datasets import load_dataset
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import jax_utils, traverse_util
+from flax.training import train_state
+from flax.training.common_utils import shard
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoTokenizer,
+    FlaxBartForConditionalGeneration,
+    HfArgumentParser,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("bart",)
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = field(metadata={"help": "Where the model, checkpoints, logs and results are written."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty output_dir."})
+    do_train: bool = field(default=False, metadata={"help": "Whether to run training."})
+    do_eval: bool = field(default=False, metadata={"help": "Whether to run eval on the dev set."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Batch size per device for training."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Batch size per device for evaluation."})
+    learning_rate: float = field(default=5e-5, metadata={"help": "The initial learning rate for AdamW."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay for AdamW if we apply some."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "Beta1 for AdamW optimizer"})
+    adam_beta2: float = field(default=0.999, metadata={"help": "Beta2 for AdamW optimizer"})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "Epsilon for AdamW optimizer."})
+    adafactor: bool = field(default=False, metadata={"help": "Whether or not to replace AdamW by Adafactor."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Total number of training epochs (may be fractional)."})
+    max_steps: int = field(default=-1, metadata={"help": "If > 0: total number of training steps; overrides num_train_epochs."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over warmup_steps."})
+    logging_steps: int = field(default=500, metadata={"help": "Log every X updates steps."})
+    save_steps: int = field(default=500, metadata={"help": "Save checkpoint every X updates steps."})
+    eval_steps: Optional[int] = field(default=None, metadata={"help": "Run an evaluation every X steps (default: every epoch)."})
+    seed: int = field(default=42, metadata={"help": "Random seed that will be set at the beginning of training."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Whether or not to upload the trained model to the model hub after training."})
+    hub_model_id: str = field(default=None, metadata={"help": "The name of the repository to keep in sync with the local `output_dir`."})
+    hub_token: str = field(default=None, metadata={"help": "The token to use to push to the Model Hub."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Use gradient checkpointing to save memory at the expense of slower backward pass."})
+
+    def __post_init__(self):
+        if self.output_dir is not None:
+            self.output_dir = os.path.expanduser(self.output_dir)
+
+    def to_dict(self):
+        """Serializes this instance, replacing Enums by their values and hiding tokens."""
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, Enum):
+                d[k] = v.value
+            if k.endswith("_token"):
+                d[k] = f"<{k.upper()}>"
+        return d
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."})
+    model_type: Optional[str] = field(default=None, metadata={"help": "If training from scratch, pass a model type from the list: " + ", ".join(MODEL_TYPES)})
+    config_name: Optional[str] = field(default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from s3"})
+    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."})
+    dtype: Optional[str] = field(default="float32", metadata={"help": "Floating-point format in which the model weights should be initialized and trained. Choose one of `[float32, float16, bfloat16]`."})
+    token: str = field(default=None, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."})
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "The input training data file (a text, csv or json file)."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."})
+    train_ref_file: Optional[str] = field(default=None, metadata={"help": "Accepted as upstream; not used."})
+    validation_ref_file: Optional[str] = field(default=None, metadata={"help": "Accepted as upstream; not used."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Overwrite the cached training and evaluation sets"})
+    validation_split_percentage: Optional[int] = field(default=5, metadata={"help": "The percentage of the train set used as validation set in case there's no validation split"})
+    max_seq_length: Optional[int] = field(default=None, metadata={"help": "Block length in tokens (default: the tokenizer's maximum, capped by the model's positions)."})
+    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "The number of processes to use for the preprocessing."})
+    mlm_probability: float = field(default=0.3, metadata={"help": "Ratio of tokens to mask for span masked language modeling loss"})
+    permute_sentence_ratio: float = field(default=1.0, metadata={"help": "Ratio of sentences to be permuted in each document"})
+    poisson_lambda: float = field(default=3.0, metadata={"help": "Mean of Poisson distribution used to generate span-lengths to be masked"})
+    sentence_language: str = field(default="en", metadata={"help": "Language code of sentencex's splitting rules (e.g. en, nb)."})
+
+
+def fail(message):
+    """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
+    sys.exit(f"run_bart_dlm_flax.py: error: {message}")
+
+
+def hub_reachable(timeout=5.0):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    import requests
+
+    try:
+        requests.head(constants.ENDPOINT, timeout=timeout)
+        return True
+    except requests.RequestException:
+        return False
+
+
+def check_hub_name(flag, name):
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached."""
+    if name is None or os.path.exists(name):
+        return
+    if not hub_reachable():
+        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
+             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
+             "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
+
+
+def validate_args(model_args, data_args, training_args):
+    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+        fail("need --dataset_name or --train_file/--validation_file")
+    for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
+        if path is None:
+            continue
+        extension = path.split(".")[-1]
+        if extension not in ("csv", "json", "txt"):
+            fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
+        if not os.path.isfile(path):
+            fail(f"{flag} {path} does not exist")
+        with open(path, "rb") as f:
+            if not f.read(1 << 20).strip():
+                fail(f"{flag} {path} is empty")
+    if data_args.train_file and data_args.validation_file:
+        extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
+        if len(extensions) > 1:
+            fail(f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}")
+    if not 0.0 <= data_args.mlm_probability < 1.0:
+        fail(f"--mlm_probability must be in [0, 1), got {data_args.mlm_probability}")
+    if not 0.0 <= data_args.permute_sentence_ratio <= 1.0:
+        fail(f"--permute_sentence_ratio must be in [0, 1], got {data_args.permute_sentence_ratio}")
+    if data_args.poisson_lambda <= 0.0:
+        fail(f"--poisson_lambda must be positive, got {data_args.poisson_lambda}")
+    if not training_args.do_train and not training_args.do_eval:
+        fail("nothing to do: pass --do_train and/or --do_eval")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps", "save_steps"):
+        if getattr(training_args, flag) <= 0:
+            fail(f"--{flag} must be a positive integer, got {getattr(training_args, flag)}")
+    if training_args.eval_steps is not None and training_args.eval_steps <= 0:
+        fail(f"--eval_steps must be a positive integer, got {training_args.eval_steps}")
+    if model_args.dtype not in ("float32", "float16", "bfloat16"):
+        fail(f"--dtype must be one of float32, float16, bfloat16, got {model_args.dtype!r}")
+    if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
+        fail(f"--model_type {model_args.model_type!r} is not bart: this script trains BART")
+    output_dir = training_args.output_dir
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and training_args.do_train and not training_args.overwrite_output_dir:
+        fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output_dir {output_dir} exists and is not a directory")
+    if training_args.push_to_hub and not hub_reachable():
+        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
+             f"{output_dir} later")
+    check_hub_name("--dataset_name", data_args.dataset_name)
+    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+        check_hub_name(f"--{flag}", getattr(model_args, flag))
+
+
+def shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id):
+    shifted = np.zeros_like(input_ids)
+    shifted[:, 1:] = input_ids[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return np.where(shifted == -100, pad_token_id, shifted)
+
+
+@dataclass
+class FlaxDataCollatorForBartDenoisingLM:
+    """BART's noising of blocks `<s> s1 <pad> s2 <pad> ... </s> <s> ...`: sentence permutation, then
+    text infilling. Labels are the original block (special tokens -100); decoder inputs are the
+    labels shifted right."""
+
+    tokenizer: PreTrainedTokenizerBase
+    decoder_start_token_id: int
+    mask_ratio: float = 0.3
+    poisson_lambda: float = 3.0
+    permute_sentence_ratio: float = 1.0
+
+    def __call__(self, examples, rng, row_ids=None):
+        """`rng`: a numpy Generator for the whole batch; or, with `row_ids`, an integer seed, each row
+        then noised from (seed, row id) alone."""
+        input_ids = np.asarray(examples["input_ids"], dtype=np.int64)
+        if row_ids is not None:
+            rows = [self(dict(input_ids=input_ids[k : k + 1]), np.random.default_rng([rng, int(i)])) for k, i in enumerate(row_ids)]
+            return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        pad = self.tokenizer.pad_token_id
+        labels = input_ids.copy()
+        batch = {"decoder_input_ids": shift_tokens_right(labels, pad, self.decoder_start_token_id)}
+        if self.permute_sentence_ratio > 0.0:
+            input_ids = self.permute_sentences(input_ids, rng)
+        if self.mask_ratio:
+            input_ids, mask = self.span_mask_tokens(input_ids, rng)
+            if self.permute_sentence_ratio == 0.0:
+                labels[~mask] = -100  # as upstream: without permutation only the infilled tokens are scored
+        labels[np.isin(labels, self.tokenizer.all_special_ids)] = -100  # the original, special tokens unscored
+        batch.update(input_ids=input_ids, labels=labels, attention_mask=(input_ids != pad).astype(np.int64),
+                     decoder_attention_mask=(batch["decoder_input_ids"] != pad).astype(np.int64))
+        return {k: v.astype(np.int32) for k, v in batch.items()}
+
+    def sentences(self, row):
+        """Split a block at its sentence ends (the pad tokens, kept with their sentence)."""
+        ends = np.flatnonzero(row == self.tokenizer.pad_token_id) + 1
+        return [part for part in np.split(row, ends) if len(part)]
+
+    def permute_sentences(self, input_ids, rng):
+        """Shuffle ceil(n * ratio) of the n pad-terminated sentences of each row among their own places;
+        the tail after the last sentence end stays where it is (as upstream)."""
+        results = input_ids.copy()
+        for i, row in enumerate(input_ids):
+            ends = np.flatnonzero(row == self.tokenizer.pad_token_id) + 1
+            if len(ends) < 2:
+                continue
+            parts = np.split(row[: ends[-1]], ends[:-1])
+            num_to_permute = int(np.ceil(len(parts) * self.permute_sentence_ratio))
+            substitutions = rng.permutation(len(parts))[:num_to_permute]
+            ordering = np.arange(len(parts))
+            ordering[substitutions] = substitutions[rng.permutation(num_to_permute)]
+            results[i, : ends[-1]] = np.concatenate([parts[j] for j in ordering])
+        return results
+
+    def span_lengths(self, num_tokens_to_mask, rng):
+        """Poisson span lengths, zero-length spans dropped, cut where their sum is closest to the target."""
+        lengths = rng.poisson(lam=self.poisson_lambda, size=(num_tokens_to_mask,))
+        while np.cumsum(lengths)[-1] < num_tokens_to_mask:
+            lengths = np.concatenate([lengths, rng.poisson(lam=self.poisson_lambda, size=(num_tokens_to_mask,))])
+        lengths = lengths[lengths > 0]
+        cutoff = np.argmin(np.abs(np.cumsum(lengths) - num_tokens_to_mask)) + 1
+        return lengths[:cutoff]
+
+    def span_mask_tokens(self, input_ids, rng):
+        """Text infilling: spans start at random maskable tokens, run right (not past the row), and
+        each span collapses into one mask token; the rows are re-padded to the block length."""
+        special = np.isin(input_ids, self.tokenizer.all_special_ids)
+        is_token = ~special
+        num_tokens_to_mask = int(math.ceil(is_token.sum() * self.mask_ratio))
+        if num_tokens_to_mask == 0:
+            return input_ids, np.zeros(input_ids.shape, dtype=bool)
+        lengths = self.span_lengths(num_tokens_to_mask, rng)
+        token_indices = np.argwhere(is_token)
+        starts = token_indices[rng.permutation(len(token_indices))[: len(lengths)]]
+        lengths = lengths[: len(starts)]
+        mask = np.zeros(input_ids.shape, dtype=bool)
+        for (row, col), length in zip(starts, lengths, strict=True):
+            mask[row, col : col + length] = True
+        mask &= ~special  # spans never swallow sentence ends or block boundaries
+        input_ids = np.where(mask, self.tokenizer.mask_token_id, input_ids)
+        to_remove = mask & np.roll(mask, 1, axis=1)  # keep one mask token per span
+        to_remove[:, 0] = False
+        new_input_ids = np.full_like(input_ids, self.tokenizer.pad_token_id)
+        for i, row in enumerate(input_ids):
+            kept = row[~to_remove[i]]
+            new_input_ids[i, : len(kept)] = kept
+        return new_input_ids, mask
+
+
+def group_texts(examples, block_size):
+    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch
+    shorter than one block is kept whole), exactly as upstream but in linear time."""
+    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
+    total_length = len(concatenated[list(examples.keys())[0]])
+    if total_length >= block_size:
+        total_length = (total_length // block_size) * block_size
+    return {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
+
+
+def seq2seq_sums(logits, labels):
+    """Summed cross-entropy and correct predictions over the scored target tokens, and their count."""
+    mask = labels >= 0
+    logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0)) * mask
+    accuracy = (jnp.argmax(logits, axis=-1) == labels) * mask
+    return loss.sum(), accuracy.sum(), mask.sum()
+
+
+def generate_batch_splits(samples_idx, batch_size, drop_last=True):
+    num_samples = len(samples_idx)
+    if drop_last:
+        samples_to_remove = num_samples % batch_size
+        if samples_to_remove != 0:
+            samples_idx = samples_idx[:-samples_to_remove]
+        sections_split = num_samples // batch_size
+        return np.split(samples_idx, sections_split) if sections_split else []
+    sections_split = math.ceil(num_samples / batch_size)
+    return np.array_split(samples_idx, sections_split)
+
+
+def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
+    """Linear warm-up from 0 to learning_rate, then linear decay to 0 at num_train_steps."""
+    warmup_fn = optax.linear_schedule(init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1))
+    decay_fn = optax.linear_schedule(init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1))
+    return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
+
+
+def decay_mask_fn(params):
+    """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
+    flat_params = traverse_util.flatten_dict(params)
+    layer_norm_candidates = ["layernorm", "layer_norm", "ln"]
+    layer_norm_named_params = {
+        layer[-2:] for name in layer_norm_candidates for layer in flat_params.keys() if name in "".join(layer).lower()
+    }
+    flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
+    return traverse_util.unflatten_dict(flat_mask)
+
+
+def unreplicate(tree):
+    """The first local replica of a pmapped value, on the host. Unlike flax's `jax_utils.unreplicate`
+    (`x[0]`), it also works on multi-host runs, where the other replicas are not addressable here."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
+
+
+def dummy_rows(batch, num_rows, pad_token_id):
+    """Extend a collated batch with rows whose labels are -100 (no loss), so every device gets a full batch."""
+    if num_rows == 0:
+        return batch
+    fill = {"input_ids": pad_token_id, "decoder_input_ids": pad_token_id, "labels": -100}  # attention masks 0
+    return {
+        k: np.concatenate([v, np.full((num_rows,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)]) for k, v in batch.items()
+    }
+
+
+def save_checkpoint(model, params, tokenizer, output_dir, step):
+    """Write model + tokenizer into output_dir atomically, file by file: a crash mid-save leaves
+    the previous checkpoint readable."""
+    tmp_dir = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model.save_pretrained(tmp_dir, params=params)
+    tokenizer.save_pretrained(tmp_dir)
+    with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": step}, f)
+    for name in os.listdir(tmp_dir):
+        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
+    os.rmdir(tmp_dir)
+
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=4, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_raw_datasets(model_args, data_args):
+    split_pct = data_args.validation_split_percentage
+    common = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    if data_args.dataset_name is not None:
+        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
+    else:
+        data_files = {}
+        if data_args.train_file is not None:
+            data_files["train"] = data_args.train_file
+        if data_args.validation_file is not None:
+            data_files["validation"] = data_args.validation_file
+        extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
+        extension = "text" if extension == "txt" else extension
+        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+    try:
+        raw = load()
+        if "validation" not in raw.keys() and "train" in raw.keys():
+            raw["validation"] = load(split=f"train[:{split_pct}%]")
+            raw["train"] = load(split=f"train[{split_pct}%:]")
+    except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
+        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return raw
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, datefmt="[%X]")
+    validate_args(model_args, data_args, training_args)
+
+    # Multi-host: join the other processes before any JAX computation. On one host, JAX devices are
+    # first touched after preprocessing, so datasets' worker processes fork before JAX starts threads.
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        try:
+            jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+        except (KeyError, ValueError) as e:
+            fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
+    is_main = int(os.environ.get("JAX_PROCESS_ID", "0")) == 0
+    if not is_main:
+        datasets.utils.logging.set_verbosity_error()
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+    set_seed(training_args.seed)
+
+    # Data
+    raw_datasets = load_raw_datasets(model_args, data_args)
+
+    # Config, tokenizer
+    hub_kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
+    try:
+        if model_args.config_name:
+            config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
+        elif model_args.model_name_or_path:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs)
+        elif model_args.model_type:
+            config = CONFIG_MAPPING[model_args.model_type]()
+            logger.warning("You are instantiating a new config instance from scratch.")
+        else:
+            fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
+        tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+        if tokenizer_source is None:
+            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
+                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+    if config.model_type not in MODEL_TYPES:
+        fail(f"config model_type {config.model_type!r} is not bart: this script trains BART")
+    if config.vocab_size < len(tokenizer):
+        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    for name in ("bos", "eos", "pad", "mask"):
+        if getattr(tokenizer, f"{name}_token") is None:
+            fail(f"tokenizer {tokenizer_source!r} has no {name} token, which BART denoising needs")
+
+    # Block length: the tokenizer's limit and the model's positions both bound it.
+    model_positions = config.max_position_embeddings
+    if data_args.max_seq_length is None:
+        max_seq_length = min(tokenizer.model_max_length, model_positions)
+    else:
+        max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
+    if max_seq_length > model_positions:
+        fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
+    if max_seq_length < 4:
+        fail(f"--max_seq_length must be at least 4, got {max_seq_length}")
+
+    # Preprocessing: split texts into sentences, join them with the pad token (sentence ends), wrap
+    # each text in <s> ... </s>, tokenize without adding more specials, pack into blocks.
+    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
+    text_column_name = "text" if "text" in column_names else column_names[0]
+    map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+    try:
+        from sentencex import segment
+
+        list(segment(data_args.sentence_language, "A test. Another one."))
+    except ImportError:
+        fail("the sentence splitter comes from the PyPI package 'sentencex': pip install -r requirements.txt")
+
+    def sentence_split_function(example):
+        sentences = [x.strip() for x in segment(data_args.sentence_language, example[text_column_name]) if x.strip()]
+        return {text_column_name: tokenizer.bos_token + tokenizer.pad_token.join(sentences) + tokenizer.eos_token}
+
+    def tokenize_function(examples):
+        return tokenizer(examples[text_column_name], add_special_tokens=False, return_attention_mask=False)
+
+    split_datasets = raw_datasets.map(sentence_split_function, desc="Splitting sentences", **map_kwargs)
+    tokenized_datasets = split_datasets.map(
+        tokenize_function, batched=True, remove_columns=column_names, desc="Running tokenizer on dataset", **map_kwargs
+    )
+    lm_datasets = tokenized_datasets.map(
+        group_texts, batched=True, fn_kwargs={"block_size": max_seq_length}, desc=f"Grouping texts in chunks of {max_seq_length}", **map_kwargs
+    )
+    for split in list(lm_datasets):  # a batch shorter than one block is kept whole by group_texts: drop it
+        lm_datasets[split] = lm_datasets[split].filter(lambda ids: len(ids) == max_seq_length, input_columns="input_ids")
+    data_collator = FlaxDataCollatorForBartDenoisingLM(
+        tokenizer=tokenizer, decoder_start_token_id=config.decoder_start_token_id, mask_ratio=data_args.mlm_probability,
+        poisson_lambda=data_args.poisson_lambda, permute_sentence_ratio=data_args.permute_sentence_ratio,
+    )
+
+    # Devices. From here on JAX runs threads: no more forking dataset workers.
+    num_devices = jax.device_count()
+    local_devices = jax.local_device_count()
+    train_batch_size = training_args.per_device_train_batch_size * num_devices
+    eval_batch_size = training_args.per_device_eval_batch_size * num_devices
+    local_train = training_args.per_device_train_batch_size * local_devices
+    local_eval = training_args.per_device_eval_batch_size * local_devices
+    process_index = jax.process_index()
+    is_main = process_index == 0
+
+    if training_args.do_train:
+        num_train_samples = len(lm_datasets["train"])
+        steps_per_epoch = num_train_samples // train_batch_size
+        if steps_per_epoch == 0:
+            fail(f"the train set has {num_train_samples} blocks of {max_seq_length} tokens, fewer than one "
+                 f"global batch of {train_batch_size} ({training_args.per_device_train_batch_size} per device x "
+                 f"{num_devices} devices); use more text or a smaller --per_device_train_batch_size/--max_seq_length")
+        if training_args.max_steps > 0:
+            total_train_steps = training_args.max_steps
+        else:
+            total_train_steps = int(steps_per_epoch * training_args.num_train_epochs)
+        if total_train_steps <= 0:
+            fail(f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {steps_per_epoch} steps per epoch")
+    if training_args.do_eval and len(lm_datasets["validation"]) == 0:
+        fail("the validation set is empty after tokenization; give a longer --validation_file")
+
+    # Push to hub: only when asked (validate_args checked that the hub is reachable).
+    api = repo_id = None
+    if training_args.push_to_hub and is_main:
+        from huggingface_hub import HfApi
+
+        repo_name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+        try:
+            api = HfApi()
+            repo_id = api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id
+        except Exception as e:  # noqa: BLE001
+            fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {str(e).splitlines()[0]}")
+
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    summary_writer = None
+    if is_main:
+        try:
+            from tensorboardX import SummaryWriter
+
+            summary_writer = SummaryWriter(logdir=training_args.output_dir)
+        except ImportError:
+            logger.warning("tensorboardX is not installed: no TensorBoard logs (pip install -r requirements.txt)")
+
+    # Model
+    rng = jax.random.PRNGKey(training_args.seed)
+    # One dropout key per global device, so a multi-host run draws what a single host with as many devices draws.
+    dropout_rngs = jax.random.split(rng, num_devices)[process_index * local_devices : (process_index + 1) * local_devices]
+    dtype = getattr(jnp, model_args.dtype)
+    if model_args.model_name_or_path:
+        model = FlaxBartForConditionalGeneration.from_pretrained(model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, **hub_kwargs)
+    else:
+        model = FlaxBartForConditionalGeneration(config, seed=training_args.seed, dtype=dtype)
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    num_params = sum(x.size for x in jax.tree_util.tree_leaves(model.params))
+    logger.info(f"Model: {config.model_type}, {num_params:,} parameters, {num_devices} devices ({local_devices} local), "
+                f"blocks of {max_seq_length} tokens")
+
+    total_for_schedule = total_train_steps if training_args.do_train else 1
+    linear_decay_lr_schedule_fn = create_learning_rate_fn(total_for_schedule, training_args.warmup_steps, training_args.learning_rate)
+    if training_args.adafactor:
+        # Upstream's choice: Adafactor with the same schedule, no decay mask.
+        optimizer = optax.adafactor(learning_rate=linear_decay_lr_schedule_fn)
+    else:
+        optimizer = optax.adamw(
+            learning_rate=linear_decay_lr_schedule_fn, b1=training_args.adam_beta1, b2=training_args.adam_beta2,
+            eps=training_args.adam_epsilon, weight_decay=training_args.weight_decay, mask=decay_mask_fn,
+        )
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optimizer)
+
+    def train_step(state, batch, dropout_rng):
+        dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
+
+        def loss_fn(params):
+            labels = batch.pop("labels")
+            logits = state.apply_fn(**batch, params=params, dropout_rng=dropout_rng, train=True)[0]
+            loss, _, num_labels = seq2seq_sums(logits, labels)
+            return loss, num_labels
+
+        (loss, num_labels), grad = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        # The "true loss": sum over every target token on every device, divided by their total count.
+        num_labels = jnp.maximum(jax.lax.psum(num_labels, "batch"), 1)
+        loss = jax.lax.psum(loss, "batch") / num_labels
+        grad = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, "batch") / num_labels, grad)
+        new_state = state.apply_gradients(grads=grad)
+        metrics = {"loss": loss, "learning_rate": linear_decay_lr_schedule_fn(state.step)}
+        return new_state, metrics, new_dropout_rng
+
+    def eval_step(params, batch):
+        labels = batch.pop("labels")
+        logits = model(**batch, params=params, train=False)[0]
+        loss, accuracy, normalizer = seq2seq_sums(logits, labels)
+        return jax.lax.psum({"loss": loss, "accuracy": accuracy, "normalizer": normalizer}, axis_name="batch")
+
+    p_train_step = jax.pmap(train_step, "batch", donate_argnums=(0,))
+    p_eval_step = jax.pmap(eval_step, "batch")
+    # Replicas placed by a pmap carry the same sharding (a mesh axis named "batch") as the steps'
+    # outputs; placed by flax's replicate() they do not, and the train step compiled a second time.
+    to_devices = jax.pmap(lambda x: x, "batch")
+
+    eval_dataset = lm_datasets["validation"] if training_args.do_eval else None
+
+    def local_slice(batch, local_size):
+        """Every process collates the same global batch; each feeds its own rows to its devices."""
+        start = process_index * local_size
+        return shard({k: v[start : start + local_size] for k, v in batch.items()})
+
+    def evaluate(params):
+        num_eval = len(eval_dataset)
+        sums = {"loss": 0.0, "accuracy": 0.0, "normalizer": 0.0}
+        batches = generate_batch_splits(np.arange(num_eval), eval_batch_size, drop_last=False)
+        for batch_idx in tqdm(batches, desc="Evaluating ...", position=2, leave=False, disable=not is_main):
+            # Each example's spans come from (seed, index): the same at every evaluation and any batching.
+            batch = data_collator(eval_dataset[batch_idx], training_args.seed, row_ids=batch_idx)
+            batch = dummy_rows(batch, eval_batch_size - len(batch_idx), pad_token_id)
+            metrics = unreplicate(p_eval_step(params, local_slice(batch, local_eval)))
+            for k in sums:
+                sums[k] += float(metrics[k])
+        normalizer = max(sums["normalizer"], 1.0)
+        eval_loss = sums["loss"] / normalizer
+        return {
+            "eval_loss": eval_loss,
+            "eval_accuracy": sums["accuracy"] / normalizer,
+            "eval_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
+            "eval_target_tokens": int(sums["normalizer"]),
+            "eval_samples": num_eval,
+        }
+
+    def log_eval(metrics, step):
+        logger.info(f"Step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.4f}, "
+                    f"perplexity {metrics['eval_perplexity']:.2f}")
+        if summary_writer is not None:
+            for k in ("eval_loss", "eval_accuracy", "eval_perplexity"):
+                summary_writer.add_scalar(k, metrics[k], step)
+
+    def save(params, step):
+        if not is_main:
+            return
+        params = unreplicate(params)
+        save_checkpoint(model, params, tokenizer, training_args.output_dir, step)
+        if api is not None:
+            api.upload_folder(commit_message=f"Saving weights and logs of step {step}", folder_path=training_args.output_dir,
+                              repo_id=repo_id, repo_type="model", token=training_args.hub_token)
+
+    last_eval, last_eval_step = None, None
+    cur_step = 0
+    if training_args.do_train:
+        state = to_devices(jax_utils.replicate(state))
+        dropout_rngs = to_devices(dropout_rngs)
+        train_rng = np.random.default_rng(training_args.seed)
+        num_epochs = math.ceil(total_train_steps / steps_per_epoch)
+        logger.info(f"***** Running training *****\n  Num examples = {num_train_samples}\n  Num epochs = {num_epochs}\n"
+                    f"  Global batch size = {train_batch_size}\n  Total optimization steps = {total_train_steps}")
+        train_start = time.time()
+        window_losses = []
+        tokens_seen = 0
+        progress = tqdm(total=total_train_steps, desc="Training", disable=not is_main, dynamic_ncols=True)
+        for epoch in range(num_epochs):
+            # Identical on every process: the same permutation, batches and masks.
+            batches = generate_batch_splits(train_rng.permutation(num_train_samples), train_batch_size)
+            for batch_idx in batches:
+                if cur_step >= total_train_steps:
+                    break
+                batch = data_collator(lm_datasets["train"][np.sort(batch_idx)], train_rng)
+                tokens_seen += batch["input_ids"].size
+                state, train_metric, dropout_rngs = p_train_step(state, local_slice(batch, local_train), dropout_rngs)
+                cur_step += 1
+                progress.update(1)
+                window_losses.append(train_metric["loss"])
+
+                if cur_step % training_args.logging_steps == 0 or cur_step == total_train_steps:
+                    losses = [unreplicate(x) for x in window_losses]
+                    lr = float(unreplicate(train_metric["learning_rate"]))
+                    train_loss = float(np.mean(losses))
+                    window_losses = []
+                    progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                    progress.write(f"Step {cur_step}/{total_train_steps} (epoch {epoch + 1}) | loss {train_loss:.4f} | lr {lr:.3e}")
+                    if summary_writer is not None:
+                        summary_writer.add_scalar("train_loss", train_loss, cur_step)
+                        summary_writer.add_scalar("learning_rate", lr, cur_step)
+
+                end_of_epoch = batch_idx is batches[-1] or cur_step == total_train_steps
+                due = cur_step % training_args.eval_steps == 0 if training_args.eval_steps else end_of_epoch
+                if training_args.do_eval and due:
+                    last_eval, last_eval_step = evaluate(state.params), cur_step
+                    log_eval(last_eval, cur_step)
+
+                if cur_step % training_args.save_steps == 0 or cur_step == total_train_steps:
+                    save(state.params, cur_step)
+        progress.close()
+        train_time = time.time() - train_start
+        train_results = {
+            "train_loss": train_loss,
+            "train_runtime_s": train_time,
+            "train_steps": cur_step,
+            "train_samples_per_second": cur_step * train_batch_size / train_time,
+            "train_tokens_per_second": tokens_seen / train_time,
+            "global_batch_size": train_batch_size,
+            "max_seq_length": max_seq_length,
+            "num_devices": num_devices,
+            "num_parameters": num_params,
+        }
+        logger.info(f"Trained {cur_step} steps in {train_time:.1f} s ({train_results['train_tokens_per_second']:.0f} tokens/s)")
+        if is_main:
+            write_json(os.path.join(training_args.output_dir, "train_results.json"), train_results)
+        params = state.params
+    else:
+        params = to_devices(jax_utils.replicate(state.params))
+
+    if training_args.do_eval:
+        if last_eval is None or last_eval_step != cur_step:
+            last_eval = evaluate(params)
+            log_eval(last_eval, cur_step)
+        if is_main:
+            write_json(os.path.join(training_args.output_dir, "eval_results.json"), last_eval)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last_eval.items()}))
+    if summary_writer is not None:
+        summary_writer.close()
+
+
+if __name__ == "__main__":
+    main()
