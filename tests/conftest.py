@@ -1,7 +1,9 @@
 """Shared fixtures: a slice of the real default corpus (Penn Treebank), a tiny tokenizer and config."""
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -69,6 +71,21 @@ def script_args(script, model_type, model_dir, corpus, output_dir, *extra):
     return [script, "--output_dir", str(output_dir), "--model_type", model_type, "--config_name", str(model_dir),
             "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
             "--validation_file", str(corpus / "validation_slice.txt"), "--per_device_eval_batch_size", "16", *extra]
+
+
+def logged_losses(log):
+    """The training losses a script printed ("| loss X")."""
+    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+
+
+def eval_reloaded(args, trained_dir, output_dir):
+    """Evaluate the checkpoint in trained_dir with the same command line minus training, on one
+    device, and return its eval_results.json."""
+    again = [a for a in args if a != "--do_train"] + ["--model_name_or_path", str(trained_dir)]
+    again[again.index("--output_dir") + 1] = str(output_dir)
+    again[again.index("--config_name") + 1] = str(trained_dir)
+    check_ok(run(again))
+    return json.loads((output_dir / "eval_results.json").read_text())
 
 
 @pytest.fixture(scope="session")

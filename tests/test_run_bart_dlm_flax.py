@@ -1,14 +1,13 @@
 """flax/run_bart_dlm_flax.py: BART's sentence permutation and text infilling, and the script end to end."""
 
 import json
-import re
 from collections import Counter
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TWO_DEVICES, check_ok, error_line, load_script, make_model_dir, run, script_args
+from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, make_model_dir, run, script_args
 
 SCRIPT = "flax/run_bart_dlm_flax.py"
 bart = load_script(SCRIPT, "run_bart_dlm_flax")
@@ -113,16 +112,11 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
     out, args, result = trained
     log = result.stdout + result.stderr
     assert "2 devices" in log
-    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+    losses = logged_losses(log)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
     metrics = json.loads((out / "eval_results.json").read_text())
     assert metrics["eval_loss"] < np.log(1000) and 0.0 < metrics["eval_accuracy"] < 1.0
-    again = list(args)
-    again[again.index("--output_dir") + 1] = str(tmp_path / "again")
-    again[again.index("--config_name") + 1] = str(out)
-    again = [a for a in again if a != "--do_train"] + ["--model_name_or_path", str(out)]
-    check_ok(run(again))
-    reloaded = json.loads((tmp_path / "again" / "eval_results.json").read_text())
+    reloaded = eval_reloaded(args, out, tmp_path / "again")
     assert reloaded["eval_target_tokens"] == metrics["eval_target_tokens"]
     assert reloaded["eval_loss"] == pytest.approx(metrics["eval_loss"], abs=1e-5)
 

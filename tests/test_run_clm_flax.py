@@ -2,12 +2,11 @@
 
 import json
 import math
-import re
 
 import numpy as np
 import pytest
 
-from conftest import TWO_DEVICES, check_ok, error_line, load_script, make_model_dir, run, script_args
+from conftest import TWO_DEVICES, check_ok, error_line, load_script, logged_losses, make_model_dir, run, script_args
 
 SCRIPT = "flax/run_clm_flax.py"
 clm = load_script(SCRIPT, "run_clm_flax")
@@ -45,7 +44,7 @@ def test_trains_on_two_devices_loss_falls_and_metrics_written(trained, corpus):
     out, result = trained
     log = result.stdout + result.stderr
     assert "2 devices" in log
-    losses = [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
+    losses = logged_losses(log)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
     metrics = json.loads((out / "eval_results.json").read_text())
     assert metrics["eval_loss"] < math.log(1000) - 1.0  # well below a uniform guess over the vocabulary

@@ -3,14 +3,13 @@
 import json
 import math
 import os
-import re
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TWO_DEVICES, check_ok, error_line, run, script_args
+from conftest import ROOT, TWO_DEVICES, check_ok, error_line, logged_losses, run, script_args
 
 SCRIPT = "flax/run_mlm_flax.py"
 
@@ -109,10 +108,6 @@ def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, 
     assert metrics["eval_samples"] == sum(1 for line in (corpus / "validation_slice.txt").read_text().splitlines()[:100] if line.strip())
     train_results = json.loads((out / "train_results.json").read_text())
     assert train_results["train_steps"] == 8 and train_results["max_seq_length"] == 64
-
-
-def logged_losses(log):
-    return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
 
 
 def test_two_hosts_match_one_host_with_two_devices(tiny_model_dir, corpus, tmp_path):
