@@ -2,25 +2,31 @@
 # The project's entry point. Needs only Python 3.11 with venv and pip; everything else it installs.
 #   bash run.sh main    set up, then: PTB corpus -> tokenizer -> small RoBERTa config -> Flax MLM pretraining
 #                       (about 5 minutes on 2 CPU cores) -> eval loss, masked-token accuracy, perplexity
-#   bash run.sh test    set up, then run the test suite (extra arguments go to pytest)
-#   bash run.sh setup   only create/refresh the virtual environment (.venv, or $VENV)
+#   bash run.sh test    set up both environments, then run the test suite (extra arguments go to pytest)
+#   bash run.sh setup   only create/refresh the main virtual environment (.venv, or $VENV)
+#   bash run.sh setup-xla  only create/refresh the PyTorch/XLA environment (.venv-xla, or $VENV_XLA):
+#                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
+VENV_XLA=${VENV_XLA:-.venv-xla}
 PY="$VENV/bin/python"
 
-setup() {
-  [ -x "$PY" ] || python3 -m venv "$VENV"
-  local want have
-  want=$(sha256sum requirements.txt | cut -d' ' -f1)
-  have=$(cat "$VENV/.requirements.sha256" 2>/dev/null || true)
+# make_venv DIR REQUIREMENTS MINUTES: (re)install only when the requirements file changed.
+make_venv() {
+  local venv=$1 reqs=$2 want have
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  want=$(sha256sum "$reqs" | cut -d' ' -f1)
+  have=$(cat "$venv/.requirements.sha256" 2>/dev/null || true)
   if [ "$want" != "$have" ]; then
-    echo "Installing requirements.txt into $VENV (about 2 minutes the first time) ..."
-    "$PY" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-    "$PY" -m pip check
-    echo "$want" > "$VENV/.requirements.sha256"
+    echo "Installing $reqs into $venv (about $3 minutes the first time) ..."
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$reqs"
+    "$venv/bin/python" -m pip check
+    echo "$want" > "$venv/.requirements.sha256"
   fi
 }
+setup() { make_venv "$VENV" requirements.txt 2; }
+setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3; }
 
 main_job() {
   local data=data/ptb out=out/main
@@ -41,7 +47,8 @@ main_job() {
 
 case "${1:-}" in
   setup) setup ;;
+  setup-xla) setup_xla ;;
   main) setup; main_job ;;
-  test) shift; setup; "$PY" -m pytest tests "$@" ;;
-  *) echo "usage: bash run.sh {main|test|setup}" >&2; exit 2 ;;
+  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests "$@" ;;
+  *) echo "usage: bash run.sh {main|test|setup|setup-xla}" >&2; exit 2 ;;
 esac

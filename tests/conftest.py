@@ -21,10 +21,10 @@ def load_script(relpath, name):
     return module
 
 
-def run(args, env=None, cwd=ROOT, timeout=900):
+def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
     """Run a project script as a file, as a user would; returns the CompletedProcess."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([python, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def check_ok(result):

@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+# Reproduction of Hugging Face's examples/pytorch/language-modeling/run_mlm.py (Apache-2.0 upstream),
+# rewritten for transformers 4.57.6 / torch 2.13, offline by default. The PyTorch baseline of the
+# Flax example: same data files, tokenizer and config folders as flax/run_mlm_flax.py.
+"""Pretrain or fine-tune a masked language model (BERT, RoBERTa, ...) on the Trainer.
+
+Launch it three ways (see README.md):
+  python pytorch/run_mlm.py ...                                   one process (CPU, one GPU)
+  torchrun --nproc_per_node N pytorch/run_mlm.py ...              data parallel (GPUs, or gloo on CPU)
+  python pytorch/xla_spawn.py --num_cores N pytorch/run_mlm.py ... PyTorch/XLA (TPU; XLA:CPU with N=1)
+
+Differences from upstream, all fixes:
+- Masks are drawn per example from (seed, epoch, example index): one process, N processes and
+  gradient accumulation train on exactly the same masked batches, a resumed run continues exactly,
+  and evaluation masks the same tokens every time.
+- The loss is the mean over all masked tokens of the global batch (summed across gradient-accumulation
+  steps and processes), so N processes or K accumulation steps give the same update as one big batch.
+  Upstream averaged per micro-batch means, which weighs a micro-batch with few masked tokens up.
+- Eval loss and perplexity are token-weighted over the whole eval set; accuracy counts masked tokens
+  only and needs no hub (`evaluate.load("accuracy")` fails offline).
+- On a machine without an accelerator the CPU is chosen for the user: `torchrun` then really trains
+  data parallel over gloo (without `--use_cpu`, transformers 4.57 leaves every rank alone with world
+  size 1), and `--bf16` runs as CPU autocast instead of failing.
+- Resuming skips a last checkpoint that was only half written (no trainer_state.json).
+- Bad input (files, output folder, hub names offline, ...) ends with one line and a non-zero exit.
+"""
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Optional
+
+# Only PyTorch is used: keep transformers from importing TensorFlow and JAX (several seconds).
+os.environ.setdefault("USE_TF", "0")
+os.environ.setdefault("USE_FLAX", "0")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import datasets
+import transformers
+from datasets import load_dataset
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING,
+    AutoConfig,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import is_torch_mps_available, is_torch_xla_available, is_torch_xpu_available
+
+logger = logging.getLogger(__name__)
+
+MODEL_CONFIG_CLASSES = list(MODEL_FOR_MASKED_LM_MAPPING.keys())
+MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
+# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
+OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta", "camembert")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."})
+    model_type: Optional[str] = field(default=None, metadata={"help": "If training from scratch, pass a model type from the list: " + ", ".join(MODEL_TYPES)})
+    config_overrides: Optional[str] = field(default=None, metadata={"help": "Override some existing default config settings when a model is trained from scratch. Example: n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"})
+    config_name: Optional[str] = field(default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from huggingface.co"})
+    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."})
+    model_revision: str = field(default="main", metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."})
+    token: str = field(default=None, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."})
+    torch_dtype: Optional[str] = field(default=None, metadata={"help": "Override the default `torch.dtype` and load the model under this dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]})
+    low_cpu_mem_usage: bool = field(default=False, metadata={"help": "Create the model as an empty shell, then materialize its parameters when the pretrained weights are loaded."})
+
+
+@dataclass
+class DataTrainingArguments:
+    dataset_name: Optional[str] = field(default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."})
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."})
+    train_file: Optional[str] = field(default=None, metadata={"help": "The input training data file (a text, csv or json file)."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Overwrite the cached training and evaluation sets"})
+    validation_split_percentage: Optional[int] = field(default=5, metadata={"help": "The percentage of the train set used as validation set in case there's no validation split"})
+    max_seq_length: Optional[int] = field(default=None, metadata={"help": "The maximum total input sequence length after tokenization (default: the tokenizer's, capped by the model's positions)."})
+    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "The number of processes to use for the preprocessing."})
+    mlm_probability: float = field(default=0.15, metadata={"help": "Ratio of tokens to mask for masked language modeling loss"})
+    line_by_line: bool = field(default=False, metadata={"help": "Whether distinct lines of text in the dataset are to be handled as distinct sequences."})
+    pad_to_max_length: bool = field(default=False, metadata={"help": "Whether to pad all samples to `max_seq_length`. If False, will pad the samples dynamically when batching to the maximum length in the batch."})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples to this value if set."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation examples to this value if set."})
+    streaming: bool = field(default=False, metadata={"help": "Enable streaming mode (needs --max_steps)."})
+
+
+def fail(message):
+    """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
+    sys.exit(f"run_mlm.py: error: {message}")
+
+
+def hub_reachable(timeout=5.0):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    import requests
+
+    try:
+        requests.head(constants.ENDPOINT, timeout=timeout)
+        return True
+    except requests.RequestException:
+        return False
+
+
+def check_hub_name(flag, name):
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached."""
+    if name is None or os.path.exists(name):
+        return
+    if not hub_reachable():
+        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
+             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
+             "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
+
+
+def has_accelerator():
+    return torch.cuda.is_available() or is_torch_xla_available() or is_torch_mps_available() or is_torch_xpu_available()
+
+
+def parse_args(argv=None):
+    """The three argument groups. With no accelerator, --use_cpu defaults to true before TrainingArguments
+    sets up its devices: that is what makes torchrun data parallel over gloo, and --bf16 CPU autocast."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    defaults = {} if has_accelerator() else {"use_cpu": True}
+    parser.set_defaults(**defaults)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        with open(argv[0]) as f:
+            model_args, data_args, training_args = parser.parse_dict({**defaults, **json.load(f)})
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if not torch.cuda.is_available():
+        training_args.dataloader_pin_memory = False  # pinned memory only speeds up copies to a CUDA device
+    return model_args, data_args, training_args
+
+
+def validate_args(model_args, data_args, training_args):
+    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
+        fail("need --dataset_name or --train_file/--validation_file")
+    for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
+        if path is None:
+            continue
+        extension = path.split(".")[-1]
+        if extension not in ("csv", "json", "txt"):
+            fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
+        if not os.path.isfile(path):
+            fail(f"{flag} {path} does not exist")
+        with open(path, "rb") as f:
+            if not f.read(1 << 20).strip():
+                fail(f"{flag} {path} is empty")
+    if data_args.train_file and data_args.validation_file:
+        extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
+        if len(extensions) > 1:
+            fail(f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}")
+    if not 0.0 < data_args.mlm_probability < 1.0:
+        fail(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}")
+    if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
+        fail("--streaming needs --max_steps (a stream has no length to count epochs with)")
+    if not training_args.do_train and not training_args.do_eval:
+        fail("nothing to do: pass --do_train and/or --do_eval")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(training_args, flag) <= 0:
+            fail(f"--{flag} must be a positive integer, got {getattr(training_args, flag)}")
+    if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
+        fail(f"--model_type {model_args.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
+    if model_args.config_overrides is not None and model_args.model_name_or_path is not None:
+        fail("--config_overrides changes the architecture of a model trained from scratch; it cannot be combined "
+             "with --model_name_or_path (pretrained weights fix the shapes)")
+    if os.path.exists(training_args.output_dir) and not os.path.isdir(training_args.output_dir):
+        fail(f"--output_dir {training_args.output_dir} exists and is not a directory")
+    if training_args.push_to_hub and not hub_reachable():
+        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
+             f"{training_args.output_dir} later")
+    check_hub_name("--dataset_name", data_args.dataset_name)
+    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+        check_hub_name(f"--{flag}", getattr(model_args, flag))
+
+
+def find_checkpoint(training_args):
+    """The checkpoint to resume from: --resume_from_checkpoint, or the newest complete checkpoint-N in
+    output_dir. The Trainer writes trainer_state.json last, so a checkpoint without it was cut short."""
+    output_dir = training_args.output_dir
+    if training_args.resume_from_checkpoint is not None:
+        path = training_args.resume_from_checkpoint
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            fail(f"--resume_from_checkpoint {path} is not a complete checkpoint (no trainer_state.json)")
+        return path
+    if not training_args.do_train or training_args.overwrite_output_dir or not os.path.isdir(output_dir):
+        return None
+    steps = sorted(
+        (int(name[len(PREFIX_CHECKPOINT_DIR) + 1:]), name)
+        for name in os.listdir(output_dir)
+        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1:].isdigit()
+    )
+    for step, name in reversed(steps):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            logger.info(f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "
+                        "the `--output_dir` or add `--overwrite_output_dir` to train from scratch.")
+            return path
+        logger.warning(f"{path} is incomplete (no trainer_state.json: interrupted while saving?); skipping it")
+    if os.listdir(output_dir):
+        fail(f"output directory {output_dir} is not empty and holds no checkpoint to resume from; "
+             "pass --overwrite_output_dir to write into it")
+    return None
+
+
+@dataclass
+class DataCollatorForMaskedLM:
+    """Pads a batch and masks it for MLM: of the tokens that are neither special nor padding,
+    `mlm_probability` are selected; of those 80% become the mask token, 10% a random token, 10% stay.
+    Labels are -100 elsewhere. Each example's draws come from its own generator, seeded by
+    (seed, epoch, example_id) in training and (seed, example_id) in evaluation, so masks do not depend
+    on batch size, process count, gradient accumulation or resumption."""
+
+    tokenizer: PreTrainedTokenizerBase
+    mlm_probability: float = 0.15
+    seed: int = 42
+    pad_to_multiple_of: Optional[int] = None
+    epoch: int = 0
+    evaluating: bool = False
+
+    def __call__(self, features):
+        features = [dict(f) for f in features]
+        ids = [int(f.pop("example_id")) for f in features]
+        lengths = [len(f["input_ids"]) for f in features]
+        # Padding pre-tokenized ids is what pad() is for: silence its advice to call the tokenizer instead.
+        self.tokenizer.deprecation_warnings["Asking-to-pad-a-fast-tokenizer"] = True
+        batch = self.tokenizer.pad(features, pad_to_multiple_of=self.pad_to_multiple_of, return_tensors="np")
+        special_tokens_mask = batch.pop("special_tokens_mask", None)
+        shape = batch["input_ids"].shape
+        uniform = np.ones((3,) + shape)
+        words = np.zeros(shape, dtype=np.int64)
+        for row, (example_id, length) in enumerate(zip(ids, lengths)):
+            key = [self.seed, example_id] if self.evaluating else [self.seed, self.epoch, example_id]
+            rng = np.random.default_rng([1 if self.evaluating else 0, *key])
+            uniform[:, row, :length] = rng.random((3, length))
+            words[row, :length] = rng.integers(0, self.tokenizer.vocab_size, size=length)
+        inputs, labels = self.mask_tokens(batch["input_ids"], special_tokens_mask, batch.get("attention_mask"), uniform, words)
+        batch["input_ids"], batch["labels"] = inputs, labels
+        return {k: torch.as_tensor(np.asarray(v, dtype=np.int64)) for k, v in batch.items()}
+
+    def mask_tokens(self, input_ids, special_tokens_mask, attention_mask, uniform, random_words):
+        """`uniform`: three [0, 1) draws per token (select, replace by mask, replace at random);
+        `random_words`: the replacement token ids."""
+        inputs, labels = input_ids.copy(), input_ids.copy()
+        # Special tokens never become targets: those the tokenizer added (special_tokens_mask), padding
+        # (attention_mask 0), and special tokens written in the text itself, such as PTB's literal <unk>.
+        maskable = ~np.isin(input_ids, self.tokenizer.all_special_ids)
+        if special_tokens_mask is not None:
+            maskable &= ~special_tokens_mask.astype(bool)
+        if attention_mask is not None:
+            maskable &= attention_mask.astype(bool)
+        masked_indices = (uniform[0] < self.mlm_probability) & maskable
+        labels[~masked_indices] = -100
+        indices_replaced = (uniform[1] < 0.8) & masked_indices
+        inputs[indices_replaced] = self.tokenizer.mask_token_id
+        indices_random = (uniform[2] < 0.5) & masked_indices & ~indices_replaced
+        inputs[indices_random] = random_words[indices_random]
+        return inputs, labels
+
+
+class MaskEpochCallback(TrainerCallback):
+    """Tells the collator which epoch it is masking for (read from the state, so resuming works too)."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = int(math.floor(state.epoch + 1e-6))
+
+
+class MaskedLMTrainer(Trainer):
+    """Evaluates with the collator's evaluation masks and reports the token-weighted eval loss."""
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        collator = self.data_collator
+        collator.evaluating = True
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        finally:
+            collator.evaluating = False
+        prefix = metric_key_prefix
+        if f"{prefix}_token_loss" in output.metrics:
+            output.metrics[f"{prefix}_loss"] = output.metrics.pop(f"{prefix}_token_loss")
+            output.metrics[f"{prefix}_perplexity"] = math.exp(min(output.metrics[f"{prefix}_loss"], 700.0))
+        return output
+
+
+def masked_lm_loss(outputs, labels, num_items_in_batch=None):
+    """Cross-entropy summed over the masked tokens, divided by the masked tokens of the whole global
+    batch (the Trainer counts them across accumulation steps and processes); in evaluation, the mean."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    labels = labels.to(logits.device)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum().clamp(min=1)
+    return loss / num_items_in_batch
+
+
+def preprocess_logits_for_metrics(logits, labels):
+    """Keep only what the metrics need, per token: the prediction and its cross-entropy."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    token_loss = F.cross_entropy(logits.float().transpose(1, 2), labels.clamp(min=0), reduction="none")
+    return logits.argmax(dim=-1), token_loss
+
+
+def compute_metrics(eval_preds):
+    (predictions, token_loss), labels = eval_preds
+    mask = labels != -100
+    count = int(mask.sum())
+    return {
+        "accuracy": float((predictions[mask] == labels[mask]).mean()) if count else float("nan"),
+        "token_loss": float(token_loss[mask].astype(np.float64).sum() / count) if count else float("nan"),
+        "masked_tokens": count,
+    }
+
+
+def group_texts(examples, max_seq_length):
+    """Concatenate all texts and cut them into blocks of max_seq_length, dropping the remainder
+    (a batch shorter than one block is kept whole), as upstream but in linear time."""
+    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
+    total_length = len(concatenated[list(examples.keys())[0]])
+    if total_length >= max_seq_length:
+        total_length = (total_length // max_seq_length) * max_seq_length
+    return {k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)] for k, t in concatenated.items()}
+
+
+def load_raw_datasets(model_args, data_args):
+    split_pct = data_args.validation_split_percentage
+    common = dict(cache_dir=model_args.cache_dir, token=model_args.token, streaming=data_args.streaming)
+    if data_args.dataset_name is not None:
+        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
+    else:
+        data_files = {}
+        if data_args.train_file is not None:
+            data_files["train"] = data_args.train_file
+        if data_args.validation_file is not None:
+            data_files["validation"] = data_args.validation_file
+        extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
+        extension = "text" if extension == "txt" else extension
+        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+    try:
+        raw = load()
+        if "validation" not in raw.keys() and "train" in raw.keys():
+            if data_args.streaming:
+                fail("--streaming needs a validation split: pass --validation_file (a stream cannot be split by percentage)")
+            raw["validation"] = load(split=f"train[:{split_pct}%]")
+            raw["train"] = load(split=f"train[{split_pct}%:]")
+    except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
+        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return raw
+
+
+def load_config_and_tokenizer(model_args):
+    hub_kwargs = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
+                      trust_remote_code=model_args.trust_remote_code)
+    try:
+        if model_args.config_name:
+            config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
+        elif model_args.model_name_or_path:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs)
+        elif model_args.model_type:
+            config = CONFIG_MAPPING[model_args.model_type]()
+            logger.warning("You are instantiating a new config instance from scratch.")
+        else:
+            fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
+        if model_args.config_overrides is not None:
+            logger.info(f"Overriding config: {model_args.config_overrides}")
+            config.update_from_string(model_args.config_overrides)
+        tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+        if tokenizer_source is None:
+            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
+                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+    if config.model_type not in MODEL_TYPES:
+        fail(f"config model_type {config.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
+    if config.vocab_size < len(tokenizer):
+        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+    if tokenizer.mask_token is None:
+        fail(f"tokenizer {tokenizer_source!r} has no mask token, which masked language modelling needs")
+    return config, tokenizer
+
+
+def resolve_max_seq_length(data_args, config, tokenizer):
+    """The tokenizer's limit and the model's positions both bound the sequence length."""
+    model_positions = getattr(config, "max_position_embeddings", None)
+    if model_positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        model_positions -= (config.pad_token_id or 0) + 1
+    if data_args.max_seq_length is None:
+        max_seq_length = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
+    else:
+        if data_args.max_seq_length > tokenizer.model_max_length:
+            logger.warning(f"--max_seq_length {data_args.max_seq_length} is larger than the tokenizer's maximum "
+                           f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}.")
+        max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
+    if model_positions is not None and max_seq_length > model_positions:
+        fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
+    if max_seq_length <= 0:
+        fail(f"--max_seq_length must be positive, got {max_seq_length}")
+    return max_seq_length
+
+
+def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length):
+    """Tokenize (line by line, or concatenated and grouped into blocks) and number the examples."""
+    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features or ["text"])
+    text_column_name = "text" if "text" in column_names else column_names[0]
+    map_kwargs = {} if data_args.streaming else dict(
+        num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+
+    if data_args.line_by_line:
+        padding = "max_length" if data_args.pad_to_max_length else False
+
+        def tokenize_function(examples):
+            examples = [line for line in examples[text_column_name] if len(line) > 0 and not line.isspace()]
+            return tokenizer(examples, return_special_tokens_mask=True, padding=padding, truncation=True, max_length=max_seq_length)
+
+        steps = [(tokenize_function, "Running tokenizer on dataset line_by_line", column_names)]
+    else:
+        # Every text becomes a sequence with its special tokens; group_texts then packs them into blocks.
+        def tokenize_function(examples):
+            return tokenizer(examples[text_column_name], return_special_tokens_mask=True)
+
+        steps = [(tokenize_function, "Running tokenizer on every text in dataset", column_names),
+                 (lambda examples: group_texts(examples, max_seq_length), f"Grouping texts in chunks of {max_seq_length}", None)]
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        for function, desc, remove in steps:
+            extra = {} if data_args.streaming else dict(desc=desc, **map_kwargs)
+            raw_datasets = raw_datasets.map(function, batched=True, remove_columns=remove, **extra)
+        # The example's index seeds its masks (see DataCollatorForMaskedLM).
+        numbered = {}
+        for split, dataset in raw_datasets.items():
+            numbered[split] = dataset.map(lambda example, i: {"example_id": i}, with_indices=True, **(
+                {} if data_args.streaming else dict(desc=f"Numbering {split} examples", **map_kwargs)))
+    return numbered
+
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S", force=True,
+                        handlers=[logging.StreamHandler(sys.stdout)])
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+
+    validate_args(model_args, data_args, training_args)
+    if is_torch_xla_available() and training_args.optim == "adamw_torch_fused":
+        logger.warning("--optim adamw_torch_fused does not run on XLA devices; using adamw_torch")
+        training_args.optim = "adamw_torch"
+    # The collator needs the example ids and consumes special_tokens_mask itself; what it returns
+    # is exactly the model's input, so the Trainer must pass every column through.
+    training_args.remove_unused_columns = False
+    logger.warning(
+        f"Process rank: {training_args.local_rank}, device: {training_args.device}, world size: {training_args.world_size}, "
+        f"distributed training: {training_args.parallel_mode.value == 'distributed'}, "
+        f"16-bits training: {training_args.fp16 or training_args.bf16}"
+    )
+    logger.info(f"Training/evaluation parameters {training_args}")
+    last_checkpoint = find_checkpoint(training_args)
+
+    set_seed(training_args.seed)
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+
+    torch_dtype = model_args.torch_dtype if model_args.torch_dtype in ("auto", None) else getattr(torch, model_args.torch_dtype)
+    if model_args.model_name_or_path:
+        try:
+            model = AutoModelForMaskedLM.from_pretrained(
+                model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
+                token=model_args.token, trust_remote_code=model_args.trust_remote_code, torch_dtype=torch_dtype,
+                low_cpu_mem_usage=model_args.low_cpu_mem_usage,
+            )
+        except (OSError, ValueError) as e:
+            fail(f"cannot load the model {model_args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+    else:
+        logger.info("Training new model from scratch")
+        model = AutoModelForMaskedLM.from_config(config, trust_remote_code=model_args.trust_remote_code,
+                                                 torch_dtype=None if torch_dtype == "auto" else torch_dtype)
+    # Resize only when the tokenizer has more tokens than the model (never shrink a padded vocabulary).
+    embedding_size = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > embedding_size:
+        model.resize_token_embeddings(len(tokenizer))
+
+    tokenized = preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length)
+    train_dataset = eval_dataset = None
+    if training_args.do_train:
+        if "train" not in tokenized:
+            fail("--do_train requires a train dataset (--train_file or --dataset_name)")
+        train_dataset = tokenized["train"]
+        if data_args.max_train_samples is not None:
+            n = data_args.max_train_samples
+            train_dataset = train_dataset.take(n) if data_args.streaming else train_dataset.select(range(min(len(train_dataset), n)))
+        if not data_args.streaming:
+            global_batch = training_args.per_device_train_batch_size * training_args.world_size * training_args.gradient_accumulation_steps
+            if len(train_dataset) < global_batch:
+                fail(f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
+                     f"({global_batch}); use more data or a smaller --per_device_train_batch_size")
+    if training_args.do_eval:
+        if "validation" not in tokenized:
+            fail("--do_eval requires a validation dataset (--validation_file, or a train set to split)")
+        eval_dataset = tokenized["validation"]
+        if data_args.max_eval_samples is not None:
+            n = data_args.max_eval_samples
+            eval_dataset = eval_dataset.take(n) if data_args.streaming else eval_dataset.select(range(min(len(eval_dataset), n)))
+
+    # Padding to a multiple of 8 helps tensor cores; only worth it when not padding to max length.
+    pad_to_multiple_of_8 = data_args.line_by_line and training_args.fp16 and not data_args.pad_to_max_length
+    collator = DataCollatorForMaskedLM(tokenizer, mlm_probability=data_args.mlm_probability, seed=training_args.seed,
+                                       pad_to_multiple_of=8 if pad_to_multiple_of_8 else None)
+    trainer = MaskedLMTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_loss_func=masked_lm_loss,
+        compute_metrics=compute_metrics if training_args.do_eval else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if training_args.do_eval else None,
+        callbacks=[MaskEpochCallback(collator)],
+    )
+
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+        trainer.save_model()  # Saves the tokenizer too for easy upload
+        metrics = dict(train_result.metrics)
+        if not data_args.streaming:
+            metrics["train_samples"] = len(train_dataset)
+        metrics.update(world_size=training_args.world_size, global_batch_size=training_args.per_device_train_batch_size
+                       * training_args.world_size * training_args.gradient_accumulation_steps, global_step=train_result.global_step)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        if not data_args.streaming:
+            metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+
+    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "fill-mask"}
+    if data_args.dataset_name is not None:
+        kwargs["dataset_tags"] = data_args.dataset_name
+        kwargs["dataset"] = data_args.dataset_name if data_args.dataset_config_name is None else f"{data_args.dataset_name} {data_args.dataset_config_name}"
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    elif training_args.do_train:
+        trainer.create_model_card(**kwargs)
+
+
+def _mp_fn(index):
+    """Entry point for pytorch/xla_spawn.py: `index` is this process's ordinal. accelerate reads the local
+    rank of a non-TPU XLA process (XLA:CPU, XLA:GPU) from LOCAL_RANK, and without it no process counts as
+    the local main one, so nothing would be logged."""
+    os.environ.setdefault("LOCAL_RANK", str(index))
+    main()
+
+
+if __name__ == "__main__":
+    main()

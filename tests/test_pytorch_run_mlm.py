@@ -1,0 +1,243 @@
+"""pytorch/run_mlm.py on the Trainer: one process, torchrun over gloo, gradient accumulation,
+resumption, PyTorch/XLA through xla_spawn.py (in its own venv), and bad input."""
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import check_ok, error_line, load_script, run, script_args
+
+SCRIPT = "pytorch/run_mlm.py"
+NO_DROPOUT = "hidden_dropout_prob=0,attention_probs_dropout_prob=0"
+# The XLA environment (bash run.sh setup-xla); `bash run.sh test` points XLA_PYTHON at it.
+XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-xla", "bin", "python"))
+
+
+def mlm_args(model_dir, corpus, output_dir, *extra):
+    args = script_args(SCRIPT, "roberta", model_dir, corpus, output_dir, "--max_seq_length", "64", "--report_to", "none",
+                       "--disable_tqdm", "true", *extra)
+    args.remove("--model_type")
+    args.remove("roberta")
+    return args
+
+
+def trainer_losses(log):
+    """The training losses the Trainer printed ({'loss': X, ...})."""
+    return [float(x) for x in re.findall(r"'loss': ([0-9.]+)", log)]
+
+
+def results(out, split):
+    return json.loads((out / f"{split}_results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pt") / "run"
+    args = mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
+                    "--learning_rate", "3e-3", "--warmup_steps", "10", "--max_steps", "60", "--logging_steps", "10",
+                    "--save_steps", "30")
+    return out, args, check_ok(run(args))
+
+
+def test_trains_and_loss_falls(trained):
+    out, _, result = trained
+    losses = trainer_losses(result.stdout)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses  # ln 1000 = 6.9 at the start
+    train = results(out, "train")
+    assert train["global_step"] == 60 and train["world_size"] == 1 and train["global_batch_size"] == 8
+    metrics = results(out, "eval")
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_masked_tokens"] > 0.1 * metrics["eval_samples"] * 60
+    assert metrics["eval_loss"] < 6.5 and metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_resume_continues_exactly(trained, tmp_path):
+    """A run cut after its checkpoint at step 30 resumes there and logs the same losses for steps 31-60."""
+    out, args, result = trained
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(out / "checkpoint-30", again / "checkpoint-30")
+    shutil.copytree(out / "checkpoint-30", again / "checkpoint-45")  # a save that was cut short: no trainer_state.json
+    (again / "checkpoint-45" / "trainer_state.json").unlink()
+    args = list(args)
+    args[args.index("--output_dir") + 1] = str(again)
+    resumed = check_ok(run(args))
+    assert "checkpoint-45 is incomplete" in resumed.stdout + resumed.stderr
+    assert "resuming training at" in resumed.stdout + resumed.stderr
+    assert trainer_losses(resumed.stdout) == pytest.approx(trainer_losses(result.stdout)[3:], abs=2e-4)
+    assert results(again, "train")["global_step"] == 60
+    assert results(again, "eval")["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-4)
+
+
+def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
+    out, args, _ = trained
+    again = [a for a in args if a != "--do_train"] + ["--model_name_or_path", str(out)]
+    again[again.index("--output_dir") + 1] = str(tmp_path / "eval")
+    again[again.index("--config_name") + 1] = str(out)
+    check_ok(run(again))
+    assert results(tmp_path / "eval", "eval")["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-6)
+    assert results(tmp_path / "eval", "eval")["eval_accuracy"] == results(out, "eval")["eval_accuracy"]
+
+
+@pytest.fixture(scope="module")
+def equivalence(tiny_model_dir, corpus, tmp_path_factory):
+    """Three steps on a global batch of 8, without dropout: one process with batch 8, and the same
+    command line (per-device batch and output folder aside) for the other launchers."""
+    root = tmp_path_factory.mktemp("equiv")
+
+    def args(name, batch, *extra):
+        return mlm_args(tiny_model_dir, corpus, root / name, "--do_train", "--do_eval", "--config_overrides", NO_DROPOUT,
+                        "--per_device_train_batch_size", str(batch), "--learning_rate", "3e-3", "--max_steps", "3",
+                        "--logging_steps", "1", "--save_strategy", "no", *extra)
+
+    single = check_ok(run(args("single", 8)))
+    return root, args, trainer_losses(single.stdout)
+
+
+def weights(out):
+    from safetensors.numpy import load_file
+
+    return load_file(str(out / "model.safetensors"))
+
+
+def assert_same_run(root, name, log, expected_losses):
+    assert trainer_losses(log) == pytest.approx(expected_losses, abs=1e-4)
+    a, b = weights(root / "single"), weights(root / name)
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-4
+    assert results(root / name, "eval")["eval_loss"] == pytest.approx(results(root / "single", "eval")["eval_loss"], abs=1e-5)
+
+
+def test_gradient_accumulation_equals_the_larger_batch(equivalence):
+    root, args, expected = equivalence
+    assert len(expected) == 3
+    result = check_ok(run(args("accumulated", 4, "--gradient_accumulation_steps", "2")))
+    assert_same_run(root, "accumulated", result.stdout, expected)
+
+
+def test_torchrun_two_processes_equals_one_process(equivalence):
+    """torchrun on CPU with no extra flag: world size 2 over gloo, gradients averaged over the global batch."""
+    root, args, expected = equivalence
+    result = check_ok(run(["-m", "torch.distributed.run", "--nproc_per_node", "2", *args("ddp", 4)]))
+    assert result.stdout.count("world size: 2") == 2
+    assert results(root / "ddp", "train")["world_size"] == 2 and results(root / "ddp", "train")["global_batch_size"] == 8
+    assert_same_run(root, "ddp", result.stdout, expected)
+
+
+def test_bf16_autocast_on_cpu(equivalence):
+    root, args, expected = equivalence
+    result = check_ok(run(args("bf16", 8, "--bf16")))
+    losses = trainer_losses(result.stdout)
+    assert losses == pytest.approx(expected, abs=0.05) and losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
+                    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)")
+def test_xla_spawn_one_core_on_xla_cpu_matches_eager(equivalence):
+    root, args, expected = equivalence
+    cmd = args("xla", 8)
+    result = check_ok(run(["pytorch/xla_spawn.py", "--num_cores", "1", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON))
+    assert "device: xla:0" in result.stdout
+    assert trainer_losses(result.stdout) == pytest.approx(expected, abs=5e-3)
+    assert results(root / "xla", "eval")["eval_loss"] == pytest.approx(results(root / "single", "eval")["eval_loss"], abs=5e-3)
+
+
+@pytest.mark.skipif(not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
+                    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)")
+def test_xla_spawn_several_cores_without_tpu_fails_at_once(tiny_model_dir, corpus, tmp_path):
+    cmd = mlm_args(tiny_model_dir, corpus, tmp_path / "out", "--do_train")
+    line = error_line(run(["pytorch/xla_spawn.py", "--num_cores", "2", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON),
+                      "xla_spawn.py")
+    assert "--num_cores 2 needs a TPU" in line and "torchrun" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_xla_spawn_without_torch_xla(tiny_model_dir, corpus, tmp_path):
+    line = error_line(run(["pytorch/xla_spawn.py", "--num_cores", "1", *mlm_args(tiny_model_dir, corpus, tmp_path, "--do_train")]),
+                      "xla_spawn.py")
+    assert "torch_xla is not installed" in line and "setup-xla" in line
+
+
+# --- the collator's masks ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def collator(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    module = load_script(SCRIPT, "pytorch_run_mlm")
+    return module.DataCollatorForMaskedLM(AutoTokenizer.from_pretrained(str(tiny_model_dir)), mlm_probability=0.15, seed=3)
+
+
+def features(tokenizer, n, length=64):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(len(tokenizer.all_special_ids) + 5, tokenizer.vocab_size, size=(n, length))
+    ids[:, 0], ids[:, -1] = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return [{"input_ids": list(map(int, row)), "attention_mask": [1] * length, "example_id": i} for i, row in enumerate(ids)]
+
+
+def test_masking_rates_and_specials(collator):
+    tokenizer = collator.tokenizer
+    feats = features(tokenizer, 400)
+    batch = collator(feats)
+    original = np.array([f["input_ids"] for f in feats])
+    labels, inputs = batch["labels"].numpy(), batch["input_ids"].numpy()
+    selected = labels != -100
+    assert not selected[:, [0, -1]].any()  # <s> and </s> are never targets
+    rate = selected.sum() / (400 * 62)
+    assert abs(rate - 0.15) < 4 * math.sqrt(0.15 * 0.85 / (400 * 62))
+    assert (labels[selected] == original[selected]).all() and (inputs[~selected] == original[~selected]).all()
+    n = selected.sum()
+    as_mask = (inputs[selected] == tokenizer.mask_token_id).mean()
+    kept = (inputs[selected] == original[selected]).mean()
+    for share, expected in ((as_mask, 0.8), (kept, 0.1)):
+        assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / n), (as_mask, kept)
+
+
+def test_masks_depend_on_example_and_epoch_not_batch(collator):
+    feats = features(collator.tokenizer, 8)
+    whole = collator(feats)["labels"].numpy()
+    halves = np.concatenate([collator(feats[4:])["labels"].numpy(), collator(feats[:4])["labels"].numpy()])
+    assert np.array_equal(whole, np.concatenate([halves[4:], halves[:4]]))
+    collator.epoch = 1
+    try:
+        assert not np.array_equal(collator(feats)["labels"].numpy(), whole)
+    finally:
+        collator.epoch = 0
+
+
+# --- bad input: one line, non-zero exit, nothing overwritten ---------------------------------------
+
+@pytest.fixture()
+def bad(tiny_model_dir, corpus, tmp_path):
+    def call(*extra, env=None, train_file=None, output_dir=None):
+        args = mlm_args(tiny_model_dir, corpus, output_dir or tmp_path / "out", "--do_train", "--do_eval", *extra)
+        if train_file is not None:
+            args[args.index("--train_file") + 1] = str(train_file)
+        return error_line(run(args, env=env), "run_mlm.py")
+    return call
+
+
+def test_bad_files_and_flags(bad, tmp_path):
+    assert "does not exist" in bad(train_file=tmp_path / "nope.txt")
+    assert "--per_device_train_batch_size" in bad("--per_device_train_batch_size", "100000")
+    assert "--config_overrides" in bad("--config_overrides", "hidden_size=32", "--model_name_or_path", str(tmp_path))
+
+
+def test_output_dir_without_checkpoint_is_kept(bad, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "model.safetensors").write_text("precious")
+    assert "--overwrite_output_dir" in bad(output_dir=out)
+    assert (out / "model.safetensors").read_text() == "precious" and len(list(out.iterdir())) == 1
+
+
+def test_hub_names_while_offline(bad, tmp_path):
+    offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    assert "--dataset_name 'oscar-corpus/oscar'" in bad("--dataset_name", "oscar-corpus/oscar", env=offline)
+    assert "--push_to_hub" in bad("--push_to_hub", env=offline)
+    assert not (tmp_path / "out").exists()
