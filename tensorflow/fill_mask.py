@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Fill in the mask token with a model trained by tensorflow/run_mlm.py, as the walkthrough's
+`pipeline("fill-mask", framework="tf")` does, and print the top-k tokens with their scores.
+
+  python tensorflow/fill_mask.py --model_dir out/tf-mlm "the company said its [MASK] rose"
+"""
+
+import argparse
+import json
+import os
+import sys
+
+# Not USE_TORCH=0: with torch installed, transformers 4.57's pipelines then fail to import
+# (NameError: LRScheduler in trainer_pt_utils).
+os.environ.setdefault("USE_FLAX", "0")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def fail(message):
+    sys.exit(f"fill_mask.py: error: {message}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model_dir", required=True, help="Folder with the model and tokenizer (run_mlm.py's --output_dir).")
+    parser.add_argument("--top_k", type=int, default=5, help="How many predictions to print per mask.")
+    parser.add_argument("--json", action="store_true", help="Print the predictions as JSON.")
+    parser.add_argument("text", nargs="+", help="Text(s) containing the tokenizer's mask token, e.g. [MASK].")
+    args = parser.parse_args(argv)
+    if args.top_k <= 0:
+        fail(f"--top_k must be positive, got {args.top_k}")
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        fail(f"--model_dir {args.model_dir} holds no model (config.json); train one with tensorflow/run_mlm.py")
+
+    from transformers import AutoTokenizer, TFAutoModelForMaskedLM, pipeline
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    for text in args.text:
+        if tokenizer.mask_token not in text:
+            fail(f"{text!r} has no {tokenizer.mask_token}, the mask token of this tokenizer")
+    model = TFAutoModelForMaskedLM.from_pretrained(args.model_dir)
+    fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, framework="tf")
+    results = []
+    for text in args.text:
+        predictions = fill(text, top_k=args.top_k)
+        # One mask gives a list of predictions; several give a list per mask.
+        per_mask = predictions if predictions and isinstance(predictions[0], list) else [predictions]
+        results.append({"text": text, "masks": [[{"token": tokenizer.convert_ids_to_tokens(int(p["token"])), "score": float(p["score"])} for p in mask] for mask in per_mask]})
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for result in results:
+        print(result["text"])
+        for i, mask in enumerate(result["masks"]):
+            for p in mask:
+                print(f"  mask {i}: {p['token']!r:>16} {p['score']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+# Reproduction of Hugging Face's examples/tensorflow/language-modeling-tpu/prepare_tfrecord_shards.py
+# (Apache-2.0 upstream), for transformers 4.57.6 / tensorflow 2.21, with local text files.
+"""Tokenize one split, concatenate and cut it into blocks of --max_length tokens, and write TFRecord
+shards of --shard_size blocks: OUTPUT_DIR/<split>/dataset-<shard>-<count>.tfrecord, each record with
+int64 `input_ids` and `attention_mask`. tensorflow/run_mlm.py counts the samples from the file names.
+Paths go through tf.io.gfile, so gs:// buckets work for those who have them.
+
+  python tensorflow/prepare_tfrecord_shards.py --tokenizer_name_or_path out/unigram \
+      --train_file data/ptb/train.txt --split train --max_length 128 --shard_size 1000 --output_dir out/shards
+
+Differences from upstream: --train_file reads local text; blank lines are dropped (upstream turned
+each into a [CLS] [SEP] pair); the records-count file goes into the output folder (upstream wrote it
+into the working directory); existing shards are only replaced with --overwrite_output_dir, and
+each shard is written under a temporary name and renamed when complete.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from itertools import chain
+
+# Only tf.io / tf.train are used here: keep transformers from importing JAX and PyTorch.
+os.environ.setdefault("USE_FLAX", "0")
+os.environ.setdefault("USE_TORCH", "0")
+
+logger = logging.getLogger(__name__)
+
+
+def fail(message):
+    sys.exit(f"prepare_tfrecord_shards.py: error: {message}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file).")
+    parser.add_argument("--dataset_name", type=str, default="wikitext", help="Name of the dataset on the hub (ignored with --train_file).")
+    parser.add_argument("--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the dataset.")
+    parser.add_argument("--trust_remote_code", action="store_true", help="Allow datasets defined on the Hub in their own modeling files.")
+    parser.add_argument("--train_file", type=str, default=None, help="A local text file (one text per line) holding the --split to prepare.")
+    parser.add_argument("--tokenizer_name_or_path", type=str, default="sayakpaul/unigram-tokenizer-wikitext", help="Tokenizer identifier or folder (tensorflow/train_unigram.py writes one).")
+    parser.add_argument("--shard_size", type=int, default=1000, help="Number of entries to go in a single shard.")
+    parser.add_argument("--split", type=str, default="train", choices=["train", "test", "validation"])
+    parser.add_argument("--limit", default=None, type=int, help="Limit the number of texts (lines) to read.")
+    parser.add_argument("--max_length", type=int, default=512, help="Maximum sequence length. For training on TPUs, it helps to have a maximum sequence length that is a multiple of 8.")
+    parser.add_argument("--output_dir", default="tf-tpu", type=str, help="Output directory where the TFRecord shards will be saved (a gs:// URL works too).")
+    parser.add_argument("--overwrite_output_dir", action="store_true", help="Replace the shards already in OUTPUT_DIR/<split>.")
+    parser.add_argument("--num_proc", type=int, default=None, help="Processes for tokenization (upstream used 4).")
+    args = parser.parse_args(argv)
+    for flag in ("shard_size", "max_length"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if args.limit is not None and args.limit <= 0:
+        fail(f"--limit must be positive, got {args.limit}")
+    return args
+
+
+def hub_reachable(timeout=5.0):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    import requests
+
+    try:
+        requests.head(constants.ENDPOINT, timeout=timeout)
+        return True
+    except requests.RequestException:
+        return False
+
+
+def check_hub_name(flag, name):
+    if not os.path.exists(name) and not hub_reachable():
+        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
+             "files instead (--train_file, and a tokenizer folder from tensorflow/train_unigram.py)")
+
+
+def load_split(args):
+    import datasets
+
+    if args.train_file is not None:
+        if not os.path.isfile(args.train_file):
+            fail(f"--train_file {args.train_file} does not exist")
+        dataset = datasets.load_dataset("text", data_files={args.split: args.train_file}, split=args.split)
+    else:
+        check_hub_name("--dataset_name", args.dataset_name)
+        dataset = datasets.load_dataset(args.dataset_name, args.dataset_config, split=args.split, trust_remote_code=args.trust_remote_code)
+    dataset = dataset.filter(lambda text: bool(text.strip()), input_columns=["text"], desc="Dropping blank lines")
+    if args.limit is not None:
+        dataset = dataset.select(range(min(len(dataset), args.limit)))
+    if len(dataset) == 0:
+        fail(f"the {args.split} split has no non-blank text")
+    return dataset
+
+
+def group_texts(examples, max_length):
+    """Concatenate the texts and cut them into blocks of exactly max_length tokens (the remainder is dropped)."""
+    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
+    total_length = (len(concatenated[list(examples.keys())[0]]) // max_length) * max_length
+    return {k: [t[i : i + max_length] for i in range(0, total_length, max_length)] for k, t in concatenated.items()}
+
+
+def get_serialized_examples(tokenized_data):
+    import tensorflow as tf
+
+    records = []
+    for input_ids, attention_mask in zip(tokenized_data["input_ids"], tokenized_data["attention_mask"]):
+        features = {
+            "input_ids": tf.train.Feature(int64_list=tf.train.Int64List(value=input_ids)),
+            "attention_mask": tf.train.Feature(int64_list=tf.train.Int64List(value=attention_mask)),
+        }
+        records.append(tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString())
+    return records
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    check_hub_name("--tokenizer_name_or_path", args.tokenizer_name_or_path)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the tokenizer {args.tokenizer_name_or_path!r}: {str(e).splitlines()[0]}")
+
+    import tensorflow as tf
+
+    split_dir = os.path.join(args.output_dir, args.split)
+    old_shards = tf.io.gfile.glob(os.path.join(split_dir, "*.tfrecord"))
+    if old_shards and not args.overwrite_output_dir:
+        fail(f"{split_dir} already holds {len(old_shards)} shards; pass --overwrite_output_dir to replace them")
+    dataset = load_split(args)
+
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True  # texts are cut into blocks below
+    tokenized = dataset.map(lambda examples: tokenizer(examples["text"]), batched=True, num_proc=args.num_proc,
+                            remove_columns=dataset.column_names, desc="Tokenizing")
+    keep = [c for c in tokenized.column_names if c in ("input_ids", "attention_mask")]
+    grouped = tokenized.select_columns(keep).map(group_texts, fn_kwargs={"max_length": args.max_length}, batched=True,
+                                                 batch_size=1000, num_proc=args.num_proc, desc=f"Grouping in blocks of {args.max_length}")
+    if len(grouped) == 0:
+        fail(f"the {args.split} split has fewer than --max_length {args.max_length} tokens: no block to write")
+
+    tf.io.gfile.makedirs(split_dir)
+    for path in old_shards:
+        tf.io.gfile.remove(path)
+    shard_count = total_records = 0
+    for shard in range(0, len(grouped), args.shard_size):
+        dataset_snapshot = grouped[shard : shard + args.shard_size]
+        records_containing = len(dataset_snapshot["input_ids"])
+        filename = os.path.join(split_dir, f"dataset-{shard_count}-{records_containing}.tfrecord")
+        with tf.io.TFRecordWriter(filename + ".tmp") as out_file:
+            for record in get_serialized_examples(dataset_snapshot):
+                out_file.write(record)
+        tf.io.gfile.rename(filename + ".tmp", filename, overwrite=True)
+        logger.info(f"Wrote file {filename} containing {records_containing} records")
+        shard_count += 1
+        total_records += records_containing
+
+    with tf.io.gfile.GFile(os.path.join(args.output_dir, f"split-{args.split}-records-count.txt"), "w") as f:
+        print(f"Total {args.split} records: {total_records}", file=f)
+    logger.info(f"{args.split}: {total_records} records of {args.max_length} tokens in {shard_count} shards under {split_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+# Reproduction of Hugging Face's examples/tensorflow/language-modeling-tpu/run_mlm.py (Apache-2.0 upstream),
+# the script of the Keras/TF walkthrough "Training a language model from scratch with Transformers and
+# TPUs", for transformers 4.57.6 / tensorflow 2.21 / tf-keras 2.21.
+"""Pretrain a masked language model from TFRecord shards with tf.distribute: TPUStrategy on a TPU,
+otherwise MirroredStrategy over several devices or OneDeviceStrategy on one.
+
+  python tensorflow/run_mlm.py --pretrained_model_config out/config --tokenizer out/unigram \
+      --train_dataset out/shards/train --eval_dataset out/shards/validation --no_tpu \
+      --num_epochs 1 --per_replica_batch_size 32 --max_length 128 --learning_rate 1e-3 --output_dir out/tf-mlm
+
+Differences from upstream, all fixes:
+- No TPU: upstream catches only ValueError, but TPUClusterResolver("local") raises NotFoundError from
+  initialize_tpu_system, and --no_tpu asked for a GPU that may not be there. Here the script falls back
+  to MirroredStrategy over the GPUs or the logical CPU devices (--num_cpu_devices) when there are
+  several, else OneDeviceStrategy, and logs which one it chose. --jit_compile (XLA) is refused under
+  MirroredStrategy on CPU, where TensorFlow cannot run it.
+- Metrics: Keras' "accuracy" on MLM labels counts the -100 positions (it reports the mask rate); here
+  accuracy and loss are computed over masked tokens only, for train and eval, with perplexity, and
+  written to train_results.json / eval_results.json. Eval masks are drawn once, so every epoch's
+  evaluation scores the same tokens.
+- The config takes the tokenizer's vocabulary size (as upstream) and its pad/bos/eos ids (upstream
+  kept RoBERTa's pad id 1, which is [SEP] in this tokenizer, so position ids skipped every [SEP]).
+- Every special token in the text (such as a literal <unk>) is kept out of the MLM targets.
+- Shards are checked before training (names, counts, sequence length); the hub is only contacted when
+  --hub_model_id is given, and offline that fails before training. The model and tokenizer are saved
+  together (fill-mask works from --output_dir), atomically, and never over a folder without
+  --overwrite_output_dir.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import time
+
+# Only TensorFlow is used: keep transformers from importing PyTorch and JAX.
+os.environ.setdefault("USE_TORCH", "0")
+os.environ.setdefault("USE_FLAX", "0")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+import numpy as np
+import tensorflow as tf
+
+import transformers
+from transformers import AutoConfig, AutoTokenizer, DataCollatorForLanguageModeling, TFAutoModelForMaskedLM, create_optimizer
+from transformers.modeling_tf_utils import keras
+
+logger = logging.getLogger(__name__)
+AUTO = tf.data.AUTOTUNE
+SHARD_NAME = re.compile(r"-\d+-(\d+)\.tfrecord$")
+OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta", "camembert")
+
+
+def fail(message):
+    sys.exit(f"run_mlm.py: error: {message}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
+    parser.add_argument("--pretrained_model_config", type=str, default="FacebookAI/roberta-base", help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!")
+    parser.add_argument("--tokenizer", type=str, default="unigram-tokenizer-wikitext", help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.")
+    parser.add_argument("--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica).")
+    parser.add_argument("--no_tpu", action="store_true", help="Do not look for a TPU: MirroredStrategy over several devices, else OneDeviceStrategy.")
+    parser.add_argument("--tpu_name", type=str, default="local", help="Name of TPU resource to initialize. Should be blank on Colab, and 'local' on TPU VMs.")
+    parser.add_argument("--tpu_zone", type=str, help="Google cloud zone that TPU resource is located in. Only used for non-Colab TPU nodes.")
+    parser.add_argument("--gcp_project", type=str, help="Google cloud project name. Only used for non-Colab TPU nodes.")
+    parser.add_argument("--num_cpu_devices", type=int, default=1, help="Without TPU or GPU: split the CPU into this many logical devices, so MirroredStrategy runs data parallel over them.")
+    parser.add_argument("--jit_compile", action="store_true", help="Compile the train step with XLA (not under MirroredStrategy on CPU).")
+    parser.add_argument("--bfloat16", action="store_true", help="Use mixed-precision bfloat16 for training. This is the recommended lower-precision format for TPU.")
+    parser.add_argument("--train_dataset", type=str, help="Path to training dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.")
+    parser.add_argument("--shuffle_buffer_size", type=int, default=2**18, help="Size of the shuffle buffer (in samples)")
+    parser.add_argument("--eval_dataset", type=str, help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.")
+    parser.add_argument("--num_epochs", type=int, default=1, help="Number of epochs to train for.")
+    parser.add_argument("--learning_rate", type=float, default=1e-4, help="Learning rate to use for training.")
+    parser.add_argument("--weight_decay_rate", type=float, default=1e-3, help="Weight decay rate to use for training.")
+    parser.add_argument("--max_length", type=int, default=512, help="Maximum length of tokenized sequences. Should match the setting used in prepare_tfrecord_shards.py")
+    parser.add_argument("--mlm_probability", type=float, default=0.15, help="Fraction of tokens to mask during training.")
+    parser.add_argument("--seed", type=int, default=42, help="Seed for initialization, shuffling and masking.")
+    parser.add_argument("--output_dir", type=str, required=True, help="Path to save model checkpoints to.")
+    parser.add_argument("--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir.")
+    parser.add_argument("--hub_model_id", type=str, help="Model ID to upload to on the Hugging Face Hub.")
+    args = parser.parse_args(argv)
+    for flag in ("per_replica_batch_size", "num_epochs", "max_length", "num_cpu_devices", "shuffle_buffer_size"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
+    if not 0.0 < args.mlm_probability < 1.0:
+        fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.train_dataset is None:
+        fail("--train_dataset is required: a folder of TFRecord shards from tensorflow/prepare_tfrecord_shards.py")
+    return args
+
+
+def hub_reachable(timeout=5.0):
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    import requests
+
+    try:
+        requests.head(constants.ENDPOINT, timeout=timeout)
+        return True
+    except requests.RequestException:
+        return False
+
+
+def check_hub_name(flag, name):
+    if not os.path.exists(name) and not hub_reachable():
+        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a local "
+             "folder (tokenizers/create_config.py writes configs, tensorflow/train_unigram.py tokenizers)")
+
+
+def initialize_tpu(args):
+    if args.tpu_name:
+        tpu = tf.distribute.cluster_resolver.TPUClusterResolver(args.tpu_name, zone=args.tpu_zone, project=args.gcp_project)
+    else:
+        tpu = tf.distribute.cluster_resolver.TPUClusterResolver()
+    tf.config.experimental_connect_to_cluster(tpu)
+    tf.tpu.experimental.initialize_tpu_system(tpu)
+    return tpu
+
+
+def choose_strategy(args):
+    """TPUStrategy when a TPU answers; else MirroredStrategy over several GPUs or logical CPU devices;
+    else OneDeviceStrategy. Returns the strategy and its name for the log and results."""
+    if not args.no_tpu:
+        try:
+            return tf.distribute.TPUStrategy(initialize_tpu(args)), "TPUStrategy"
+        except (ValueError, tf.errors.NotFoundError, tf.errors.UnavailableError, tf.errors.InvalidArgumentError) as e:
+            reason = str(e).strip().split(". ")[0] if str(e).strip() else "no detail"
+            logger.warning(f"No TPU found ({type(e).__name__}: {reason}); falling back to the devices of this machine "
+                           "(pass --no_tpu to skip looking)")
+    devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(devices) > 1:
+        return tf.distribute.MirroredStrategy(devices=devices), "MirroredStrategy"
+    return tf.distribute.OneDeviceStrategy(devices[0]), "OneDeviceStrategy"
+
+
+def count_samples(file_list):
+    num_samples = 0
+    for file in file_list:
+        filename = file.split("/")[-1]
+        match = SHARD_NAME.search(filename)
+        if match is None:
+            fail(f"shard {file}: the name must end in -<shard>-<count>.tfrecord (as prepare_tfrecord_shards.py writes), "
+                 "because the sample count is read from it")
+        num_samples += int(match.group(1))
+    return num_samples
+
+
+def find_shards(flag, path, max_length):
+    """The shards of one split, checked: present, named with counts, holding sequences of max_length."""
+    records = sorted(tf.io.gfile.glob(os.path.join(path, "*.tfrecord")))
+    if not records:
+        fail(f"{flag} {path}: no .tfrecord files found; write them with tensorflow/prepare_tfrecord_shards.py")
+    num_samples = count_samples(records)
+    first = next(iter(tf.data.TFRecordDataset(records[:1]).take(1)), None)
+    if first is None:
+        fail(f"{flag} {records[0]} holds no record")
+    length = len(tf.train.Example.FromString(first.numpy()).features.feature["input_ids"].int64_list.value)
+    if length != max_length:
+        fail(f"{flag} {path} holds sequences of {length} tokens but --max_length is {max_length}; "
+             "pass the --max_length the shards were prepared with")
+    return records, num_samples
+
+
+def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None):
+    num_samples = count_samples(records)
+    dataset = tf.data.Dataset.from_tensor_slices(records)
+    if shuffle:
+        dataset = dataset.shuffle(len(dataset), seed=seed)
+    dataset = tf.data.TFRecordDataset(dataset, num_parallel_reads=AUTO)
+    # TF can't infer the total sample count because it doesn't read all the records yet, so we assert it here
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_samples))
+    dataset = dataset.map(decode_fn, num_parallel_calls=AUTO)
+    if shuffle:
+        dataset = dataset.shuffle(shuffle_buffer_size, seed=seed)
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    dataset = dataset.map(mask_fn, num_parallel_calls=AUTO)
+    if not shuffle:
+        dataset = dataset.cache()  # evaluation: mask once, so every evaluation scores the same tokens
+    return dataset.prefetch(AUTO)
+
+
+def make_mask_fn(tokenizer, mlm_probability):
+    """Mask a batch inside the tf.data pipeline with the collator's TF masking (80% [MASK], 10% random,
+    10% kept). Padding and every special token id are never selected."""
+    data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=mlm_probability, mlm=True, return_tensors="tf")
+    special_ids = tf.constant(sorted(set(tokenizer.all_special_ids)), dtype=tf.int64)
+
+    def mask_with_collator(batch):
+        input_ids = batch["input_ids"]
+        is_special = tf.reduce_any(input_ids[..., None] == special_ids, axis=-1)
+        special_tokens_mask = ~tf.cast(batch["attention_mask"], tf.bool) | is_special
+        batch["input_ids"], batch["labels"] = data_collator.tf_mask_tokens(
+            input_ids, vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id, special_tokens_mask=special_tokens_mask)
+        return batch
+
+    return mask_with_collator
+
+
+class MaskedAccuracy(keras.metrics.Metric):
+    """Share of masked tokens (label != -100) whose most likely prediction is the label."""
+
+    def __init__(self, name="masked_accuracy", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.correct = self.add_weight(name="correct", initializer="zeros", dtype=tf.float64)
+        self.count = self.add_weight(name="count", initializer="zeros", dtype=tf.float64)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_true = tf.cast(y_true, tf.int64)
+        mask = y_true != -100
+        hits = (tf.argmax(y_pred, axis=-1) == y_true) & mask
+        self.correct.assign_add(tf.reduce_sum(tf.cast(hits, tf.float64)))
+        self.count.assign_add(tf.reduce_sum(tf.cast(mask, tf.float64)))
+
+    def result(self):
+        return tf.math.divide_no_nan(self.correct, self.count)
+
+
+class MaskedLoss(MaskedAccuracy):
+    """Cross-entropy averaged over all masked tokens seen (token-weighted, unlike Keras' batch mean)."""
+
+    def __init__(self, name="masked_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_true = tf.cast(y_true, tf.int64)
+        mask = y_true != -100
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.where(mask, y_true, 0), tf.cast(y_pred, tf.float32))
+        self.correct.assign_add(tf.reduce_sum(tf.cast(tf.where(mask, losses, 0.0), tf.float64)))
+        self.count.assign_add(tf.reduce_sum(tf.cast(mask, tf.float64)))
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Wall time of every training batch (the first includes tracing and compilation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
+
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=4, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def save_atomically(model, tokenizer, output_dir):
+    """Write model + tokenizer to a temporary folder, then move the files in."""
+    tmp_dir = os.path.join(output_dir, ".tmp-save")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    for name in os.listdir(tmp_dir):
+        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
+    os.rmdir(tmp_dir)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, force=True)
+    transformers.utils.logging.set_verbosity_warning()
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    # Logical CPU devices must be configured before TensorFlow touches any device.
+    if args.num_cpu_devices > 1:
+        if tf.config.list_physical_devices("GPU"):
+            logger.warning("--num_cpu_devices is ignored: GPUs are present")
+        else:
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * args.num_cpu_devices)
+
+    output_dir = args.output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output_dir {output_dir} exists and is not a directory")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not args.overwrite_output_dir:
+        fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    if args.hub_model_id and not hub_reachable():
+        fail(f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
+             f"and upload {output_dir} later")
+    for flag, name in (("--pretrained_model_config", args.pretrained_model_config), ("--tokenizer", args.tokenizer)):
+        check_hub_name(flag, name)
+    training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
+    eval_records = find_shards("--eval_dataset", args.eval_dataset, args.max_length)[0] if args.eval_dataset else None
+
+    strategy, strategy_name = choose_strategy(args)
+    replicas = strategy.num_replicas_in_sync
+    logger.info(f"Strategy: {strategy_name} with {replicas} replica(s)")
+    if args.jit_compile and strategy_name == "MirroredStrategy" and not tf.config.list_logical_devices("GPU"):
+        fail("--jit_compile does not work under MirroredStrategy on CPU devices (TensorFlow cannot place the XLA "
+             "step across them); drop --jit_compile or use --num_cpu_devices 1")
+
+    if args.bfloat16:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(args.seed)
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        config = AutoConfig.from_pretrained(args.pretrained_model_config)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the tokenizer or config: {str(e).splitlines()[0]}")
+    if tokenizer.mask_token is None:
+        fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
+    # The model's vocabulary and special ids come from the tokenizer.
+    config.vocab_size = len(tokenizer)
+    special_ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id,
+        "eos_token_id": tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id,
+    }
+    for name, token_id in special_ids.items():
+        if token_id is not None:
+            setattr(config, name, token_id)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        positions -= config.pad_token_id + 1
+    if positions is not None and args.max_length > positions:
+        fail(f"--max_length {args.max_length} is longer than the model's {positions} positions")
+
+    batch_size = args.per_replica_batch_size * replicas
+    steps_per_epoch = num_train_samples // batch_size
+    if steps_per_epoch == 0:
+        fail(f"{num_train_samples} training samples are fewer than one global batch ({batch_size}); "
+             "use more data or a smaller --per_replica_batch_size")
+    total_train_steps = steps_per_epoch * args.num_epochs
+
+    with strategy.scope():
+        model = TFAutoModelForMaskedLM.from_config(config)
+        model(model.dummy_inputs)  # Pass some dummy inputs through the model to ensure all the weights are built
+        optimizer, schedule = create_optimizer(
+            num_train_steps=total_train_steps,
+            num_warmup_steps=total_train_steps // 20,
+            init_lr=args.learning_rate,
+            weight_decay_rate=args.weight_decay_rate,
+        )
+        # The model computes its own MLM loss from the labels (no loss passed to compile).
+        model.compile(optimizer=optimizer, metrics=[MaskedAccuracy(), MaskedLoss()], jit_compile=args.jit_compile)
+    logger.info(f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
+                f"global batch {batch_size}, {total_train_steps} steps")
+
+    def decode_fn(example):
+        features = {
+            "input_ids": tf.io.FixedLenFeature(dtype=tf.int64, shape=(args.max_length,)),
+            "attention_mask": tf.io.FixedLenFeature(dtype=tf.int64, shape=(args.max_length,)),
+        }
+        return tf.io.parse_single_example(example, features)
+
+    mask_fn = make_mask_fn(tokenizer, args.mlm_probability)
+    train_dataset = prepare_dataset(training_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size,
+                                    shuffle=True, shuffle_buffer_size=args.shuffle_buffer_size, seed=args.seed)
+    eval_dataset = None
+    if eval_records:
+        eval_dataset = prepare_dataset(eval_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size, shuffle=False)
+        if count_samples(eval_records) < batch_size:
+            fail(f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})")
+
+    timer = StepTimer()
+    callbacks = [timer]
+    if args.hub_model_id:
+        from transformers import PushToHubCallback
+
+        callbacks.append(PushToHubCallback(output_dir=output_dir, hub_model_id=args.hub_model_id, tokenizer=tokenizer))
+
+    start = time.perf_counter()
+    history = model.fit(train_dataset, validation_data=eval_dataset, epochs=args.num_epochs, callbacks=callbacks,
+                        verbose=2 if not sys.stdout.isatty() else "auto").history
+    runtime = time.perf_counter() - start
+
+    os.makedirs(output_dir, exist_ok=True)
+    save_atomically(model, tokenizer, output_dir)
+    # The saved model must give back the trained model's outputs.
+    sample = next(iter(tf.data.TFRecordDataset(training_records[:1]).map(decode_fn).batch(4).take(1)))
+    reload_diff = float(tf.reduce_max(tf.abs(tf.cast(TFAutoModelForMaskedLM.from_pretrained(output_dir)(sample).logits, tf.float32)
+                                             - tf.cast(model(sample).logits, tf.float32))))
+    if reload_diff > 1e-4:
+        fail(f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})")
+    steady = timer.times[1:] or timer.times
+    train_loss = float(history["masked_loss"][-1])
+    train_results = {
+        "train_loss": train_loss,
+        "train_keras_loss": float(history["loss"][-1]),
+        "train_masked_accuracy": float(history["masked_accuracy"][-1]),
+        "train_perplexity": math.exp(min(train_loss, 700.0)),
+        "train_runtime": runtime,
+        "train_steps": total_train_steps,
+        "first_step_s": timer.times[0],
+        "step_time_median_s": float(np.median(steady)),
+        "tokens_per_second": batch_size * args.max_length / float(np.median(steady)),
+        "train_samples": num_train_samples,
+        "global_batch_size": batch_size,
+        "num_replicas": replicas,
+        "strategy": strategy_name,
+        "jit_compile": args.jit_compile,
+        "bfloat16": args.bfloat16,
+        "max_length": args.max_length,
+        "epochs": args.num_epochs,
+        "reload_max_abs_logit_diff": reload_diff,
+    }
+    write_json(os.path.join(output_dir, "train_results.json"), train_results)
+    logger.info(f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_masked_accuracy']:.4f}, "
+                f"median step {train_results['step_time_median_s'] * 1000:.1f} ms (first {timer.times[0]:.1f} s)")
+    if eval_dataset is not None:
+        eval_loss = float(history["val_masked_loss"][-1])
+        eval_results = {
+            "eval_loss": eval_loss,
+            "eval_keras_loss": float(history["val_loss"][-1]),
+            "eval_masked_accuracy": float(history["val_masked_accuracy"][-1]),
+            "eval_perplexity": math.exp(min(eval_loss, 700.0)),
+            "eval_samples": count_samples(eval_records) // batch_size * batch_size,
+        }
+        write_json(os.path.join(output_dir, "eval_results.json"), eval_results)
+        logger.info(f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_masked_accuracy']:.4f}, "
+                    f"perplexity {eval_results['eval_perplexity']:.2f}")
+    logger.info(f"Model, tokenizer and results saved to {output_dir}")
+
+
+if __name__ == "__main__":
+    main()

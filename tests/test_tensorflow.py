@@ -1,0 +1,209 @@
+"""The TensorFlow pipeline on the real default corpus: train_unigram.py -> prepare_tfrecord_shards.py ->
+run_mlm.py (MirroredStrategy on 2 logical CPUs after the TPU fallback, and OneDeviceStrategy with XLA)
+-> fill_mask.py; the masking and the masked-only metrics; bad input."""
+
+import json
+import math
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import TINY_ROBERTA, check_ok, error_line, load_script, run
+
+MAX_LENGTH = 64
+OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tf")
+    check_ok(run(["tensorflow/train_unigram.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "2000",
+                  "--output_dir", str(root / "tokenizer")]))
+    for split in ("train", "validation"):
+        check_ok(run(["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(root / "tokenizer"),
+                      "--train_file", str(corpus / f"{split}_slice.txt"), "--split", split, "--max_length", str(MAX_LENGTH),
+                      "--shard_size", "500", "--output_dir", str(root / "shards")]))
+    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(root / "tokenizer"),
+                  "--config_overrides", TINY_ROBERTA, "--output_dir", str(root / "config")]))
+    return root
+
+
+def mlm_args(root, output_dir, *extra):
+    return ["tensorflow/run_mlm.py", "--pretrained_model_config", str(root / "config"), "--tokenizer", str(root / "tokenizer"),
+            "--train_dataset", str(root / "shards" / "train"), "--eval_dataset", str(root / "shards" / "validation"),
+            "--max_length", str(MAX_LENGTH), "--learning_rate", "3e-3", "--output_dir", str(output_dir), *extra]
+
+
+def test_tokenizer_loads_with_the_walkthrough_specials(prepared):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    assert tokenizer.convert_ids_to_tokens(list(range(5))) == ["[CLS]", "[SEP]", "<unk>", "<pad>", "[MASK]"]
+    assert len(tokenizer) == 2000 and tokenizer.mask_token == "[MASK]" and tokenizer.pad_token_id == 3
+    ids = tokenizer("the company said <unk> shares rose").input_ids
+    assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id and tokenizer.unk_token_id in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True).startswith("the company said")
+
+
+def test_shard_names_counts_and_contents(prepared, corpus):
+    import tensorflow as tf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    lines = [line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()]
+    # As upstream, texts are concatenated and cut per map batch of 1000 texts (each batch drops its remainder).
+    blocks = []
+    for start in range(0, len(lines), 1000):
+        stream = [t for ids in tokenizer(lines[start : start + 1000]).input_ids for t in ids]
+        blocks += [stream[i : i + MAX_LENGTH] for i in range(0, len(stream) - MAX_LENGTH + 1, MAX_LENGTH)]
+    expected = len(blocks)
+    shards = sorted((prepared / "shards" / "train").glob("*.tfrecord"), key=lambda p: int(p.name.split("-")[1]))
+    names = [re.fullmatch(r"dataset-(\d+)-(\d+)\.tfrecord", p.name) for p in shards]
+    assert all(names) and [int(m.group(1)) for m in names] == list(range(len(shards)))
+    counts = [int(m.group(2)) for m in names]
+    assert sum(counts) == expected and all(c == 500 for c in counts[:-1]) and 0 < counts[-1] <= 500
+    assert (prepared / "shards" / "split-train-records-count.txt").read_text().strip() == f"Total train records: {expected}"
+    records = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset([str(p) for p in shards])]
+    assert len(records) == expected
+    first, last = records[0].features.feature, records[-1].features.feature
+    assert list(first["input_ids"].int64_list.value) == blocks[0] and list(last["input_ids"].int64_list.value) == blocks[-1]
+    assert list(first["attention_mask"].int64_list.value) == [1] * MAX_LENGTH
+
+
+@pytest.fixture(scope="module")
+def mirrored(prepared):
+    """No --no_tpu: the TPU lookup fails on this machine and the script falls back to MirroredStrategy
+    over 2 logical CPU devices."""
+    out = prepared / "mirrored"
+    result = check_ok(run(mlm_args(prepared, out, "--num_cpu_devices", "2", "--num_epochs", "3", "--per_replica_batch_size", "16")))
+    return out, result.stdout + result.stderr
+
+
+def test_tpu_fallback_to_mirrored_two_cpus_and_loss_falls(mirrored):
+    out, log = mirrored
+    assert "No TPU found (NotFoundError" in log and "Strategy: MirroredStrategy with 2 replica(s)" in log
+    epochs = [float(x) for x in re.findall(r" - masked_loss: ([0-9.]+)", log)]
+    assert len(epochs) == 3 and epochs[2] < epochs[0] - 0.2, epochs
+    train = json.loads((out / "train_results.json").read_text())
+    assert train["num_replicas"] == 2 and train["global_batch_size"] == 32 and train["strategy"] == "MirroredStrategy"
+    assert train["train_steps"] == 3 * (train["train_samples"] // 32)
+
+
+def test_metrics_written_and_model_reloads(mirrored):
+    out, _ = mirrored
+    train = json.loads((out / "train_results.json").read_text())
+    metrics = json.loads((out / "eval_results.json").read_text())
+    assert train["reload_max_abs_logit_diff"] <= 1e-6
+    assert 0.0 < metrics["eval_masked_accuracy"] < 1.0 and metrics["eval_loss"] < math.log(2000) - 1.0
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    # Keras' batch-averaged loss and the token-weighted one agree closely on equal-length batches.
+    assert abs(metrics["eval_keras_loss"] - metrics["eval_loss"]) < 0.1
+    assert (out / "tf_model.h5").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_fill_mask_returns_k_scored_predictions(mirrored):
+    out, _ = mirrored
+    result = check_ok(run(["tensorflow/fill_mask.py", "--model_dir", str(out), "--top_k", "3", "--json",
+                           "the company said its [MASK] rose"]))
+    predictions = json.loads(result.stdout[result.stdout.index("["):])[0]["masks"][0]
+    scores = [p["score"] for p in predictions]
+    assert len(predictions) == 3 and scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0 + 1e-6
+    assert all(p["token"] and p["token"] not in ("[MASK]", "<pad>") for p in predictions)
+
+
+def test_one_device_with_jit_compile(prepared):
+    out = prepared / "xla"
+    result = check_ok(run(mlm_args(prepared, out, "--no_tpu", "--jit_compile", "--num_epochs", "1", "--per_replica_batch_size", "16")))
+    log = result.stdout + result.stderr
+    assert "No TPU found" not in log and "Strategy: OneDeviceStrategy with 1 replica(s)" in log
+    train = json.loads((out / "train_results.json").read_text())
+    assert train["jit_compile"] and train["train_loss"] < math.log(2000) and train["step_time_median_s"] > 0
+
+
+# --- masking and metrics, in process ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("tensorflow/run_mlm.py", "tf_run_mlm")
+
+
+def test_masking_rate_and_80_10_10(script, prepared):
+    import tensorflow as tf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, len(tokenizer), size=(512, MAX_LENGTH))
+    ids[:, 0], ids[:, 10], ids[:, 20] = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.unk_token_id
+    attention = np.ones_like(ids)
+    attention[:, -8:] = 0
+    ids[:, -8:] = tokenizer.pad_token_id
+    batch = script.make_mask_fn(tokenizer, 0.15)({"input_ids": tf.constant(ids), "attention_mask": tf.constant(attention)})
+    inputs, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
+    selected = labels != -100
+    assert not selected[:, [0, 10, 20]].any() and not selected[:, -8:].any()
+    maskable = 512 * (MAX_LENGTH - 3 - 8)
+    assert abs(selected.sum() / maskable - 0.15) < 4 * math.sqrt(0.15 * 0.85 / maskable)
+    assert (labels[selected] == ids[selected]).all() and (inputs[~selected] == ids[~selected]).all()
+    n = selected.sum()
+    for share, expected in (((inputs[selected] == tokenizer.mask_token_id).mean(), 0.8), ((inputs[selected] == ids[selected]).mean(), 0.1)):
+        assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / n), share
+
+
+def test_masked_metrics_match_a_hand_computation(script):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 6, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, size=(4, 6))
+    labels[rng.random((4, 6)) < 0.6] = -100
+    labels[0, 0] = int(np.argmax(logits[0, 0]))  # at least one hit
+    mask = labels != -100
+    accuracy = script.MaskedAccuracy()
+    loss = script.MaskedLoss()
+    for half in (slice(0, 2), slice(2, 4)):  # two batches: the metric accumulates over tokens
+        accuracy.update_state(tf.constant(labels[half]), tf.constant(logits[half]))
+        loss.update_state(tf.constant(labels[half]), tf.constant(logits[half]))
+    expected_accuracy = (np.argmax(logits, -1) == labels)[mask].mean()
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    expected_loss = -np.take_along_axis(log_probs, np.where(mask, labels, 0)[..., None], -1)[..., 0][mask].mean()
+    assert float(accuracy.result()) == pytest.approx(expected_accuracy, abs=1e-12)
+    assert float(loss.result()) == pytest.approx(expected_loss, rel=1e-5)
+    assert expected_accuracy != pytest.approx(mask.mean())  # Keras' "accuracy" would report about this
+
+
+# --- bad input: one line, non-zero exit ---------------------------------------------------------------
+
+def test_bad_shards(prepared, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(empty))), "run_mlm.py")
+    assert "no .tfrecord files found" in line
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    shutil.copy(next((prepared / "shards" / "train").glob("*.tfrecord")), unnamed / "data.tfrecord")
+    assert "-<shard>-<count>.tfrecord" in error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(unnamed))), "run_mlm.py")
+    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_length", "128")), "run_mlm.py")
+    assert "sequences of 64 tokens" in line and "--max_length is 128" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_tokenizer_and_hub_offline(prepared, tmp_path):
+    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--tokenizer", str(tmp_path / "no-tokenizer")), env=OFFLINE), "run_mlm.py")
+    assert "--tokenizer" in line and "no-tokenizer" in line
+    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--hub_model_id", "me/tiny"), env=OFFLINE), "run_mlm.py")
+    assert "--hub_model_id" in line and "unreachable" in line
+    line = error_line(run(["tensorflow/train_unigram.py", "--dataset_name", "wikitext", "--output_dir", str(tmp_path / "tok")], env=OFFLINE),
+                      "train_unigram.py")
+    assert "--train_file" in line
+
+
+def test_shards_are_not_overwritten(prepared, corpus):
+    before = sorted(p.name for p in (prepared / "shards" / "validation").iterdir())
+    line = error_line(run(["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(prepared / "tokenizer"),
+                           "--train_file", str(corpus / "train_slice.txt"), "--split", "validation",
+                           "--max_length", "32", "--output_dir", str(prepared / "shards")]), "prepare_tfrecord_shards.py")
+    assert "--overwrite_output_dir" in line
+    assert sorted(p.name for p in (prepared / "shards" / "validation").iterdir()) == before
