@@ -19,8 +19,10 @@ Differences from upstream, all fixes:
   accuracy and loss are computed over masked tokens only, for train and eval, with perplexity, and
   written to train_results.json / eval_results.json. Eval masks are drawn once, so every epoch's
   evaluation scores the same tokens.
-- The config takes the tokenizer's vocabulary size (as upstream) and its pad/bos/eos ids (upstream
-  kept RoBERTa's pad id 1, which is [SEP] in this tokenizer, so position ids skipped every [SEP]).
+- The config takes the tokenizer's vocabulary size (as upstream) and its pad/bos/eos ids. TFRoberta
+  numbers positions assuming pad id 1 whatever the config says; the walkthrough's tokenizer had [SEP]
+  at id 1, so every [SEP] was taken for padding. train_unigram.py now puts <pad> at 1, and a
+  tokenizer with another pad id is refused for RoBERTa-family models.
 - Every special token in the text (such as a literal <unk>) is kept out of the MLM targets.
 - Shards are checked before training (names, counts, sequence length); the hub is only contacted when
   --hub_model_id is given, and offline that fails before training. The model and tokenizer are saved
@@ -323,6 +325,10 @@ def main(argv=None):
     for name, token_id in special_ids.items():
         if token_id is not None:
             setattr(config, name, token_id)
+    if config.model_type in OFFSET_POSITION_MODELS and tokenizer.pad_token_id != 1:
+        fail(f"tokenizer {args.tokenizer!r} has pad id {tokenizer.pad_token_id}, but TF{config.model_type} numbers positions "
+             "assuming pad id 1 (its padding_idx is fixed), so every token with id 1 would count as padding; "
+             "train the tokenizer with tensorflow/train_unigram.py, which puts <pad> at id 1")
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
         positions -= config.pad_token_id + 1

@@ -3,7 +3,7 @@
 # upstream), for tokenizers 0.22 / transformers 4.57.6, with local text files and a local output folder.
 """Train the Unigram tokenizer of the Keras/TF TPU walkthrough.
 
-Metaspace pre-tokenization, the special tokens [CLS] [SEP] <unk> <pad> [MASK] (ids 0-4), a
+Metaspace pre-tokenization, the special tokens [CLS] <pad> [SEP] <unk> [MASK] (ids 0-4), a
 post-processor that wraps every text in [CLS] ... [SEP]; saved as an ALBERT-style fast tokenizer that
 `AutoTokenizer.from_pretrained(output_dir)` loads. Upstream only pushed it to the hub; here it is
 written to --output_dir, and pushed too with --export_to_hub.
@@ -21,7 +21,10 @@ from tokenizers.models import Unigram
 from tokenizers.trainers import UnigramTrainer
 
 logger = logging.getLogger(__name__)
-SPECIAL_TOKENS = ["[CLS]", "[SEP]", "<unk>", "<pad>", "[MASK]"]
+# RoBERTa's id order (<s> <pad> </s> <unk> <mask>). The walkthrough put <pad> at 3 and [SEP] at 1, but
+# TFRobertaEmbeddings hard-codes padding_idx = 1 for its position ids: every [SEP] was then treated as
+# padding, and a PyTorch RoBERTa (which takes config.pad_token_id) numbered positions differently.
+SPECIAL_TOKENS = ["[CLS]", "<pad>", "[SEP]", "<unk>", "[MASK]"]
 
 
 def fail(message):

@@ -40,11 +40,31 @@ def test_tokenizer_loads_with_the_walkthrough_specials(prepared):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
-    assert tokenizer.convert_ids_to_tokens(list(range(5))) == ["[CLS]", "[SEP]", "<unk>", "<pad>", "[MASK]"]
-    assert len(tokenizer) == 2000 and tokenizer.mask_token == "[MASK]" and tokenizer.pad_token_id == 3
+    # RoBERTa's order: TFRoberta takes id 1 for padding whatever the config says.
+    assert tokenizer.convert_ids_to_tokens(list(range(5))) == ["[CLS]", "<pad>", "[SEP]", "<unk>", "[MASK]"]
+    assert len(tokenizer) == 2000 and tokenizer.mask_token == "[MASK]" and tokenizer.pad_token_id == 1
     ids = tokenizer("the company said <unk> shares rose").input_ids
     assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id and tokenizer.unk_token_id in ids
     assert tokenizer.decode(ids, skip_special_tokens=True).startswith("the company said")
+
+
+def test_tf_and_pytorch_roberta_agree_with_this_tokenizer(prepared, tmp_path):
+    """TFRoberta numbers positions with pad id 1 whatever the config says; with the tokenizer's <pad> at 1
+    the same weights give the same logits in TF and PyTorch, [SEP] in mid-sequence included."""
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, TFAutoModelForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    config = AutoConfig.from_pretrained(str(prepared / "config"))
+    torch.manual_seed(0)
+    AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path)
+    pt_model = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    ids = tokenizer("the company said", "its shares rose", return_tensors="np").input_ids
+    assert (ids[0, 1:-1] == tokenizer.sep_token_id).any()
+    tf_logits = TFAutoModelForMaskedLM.from_pretrained(tmp_path, from_pt=True)(ids).logits.numpy()
+    with torch.no_grad():
+        pt_logits = pt_model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(tf_logits - pt_logits).max() < 1e-4
 
 
 def test_shard_names_counts_and_contents(prepared, corpus):
