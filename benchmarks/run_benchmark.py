@@ -1,0 +1,665 @@
+#!/usr/bin/env python
+"""One masked-LM workload in every framework, timed side by side: the runtime table of the original
+README (Flax vs PyTorch vs PyTorch/XLA), on this machine, plus TensorFlow.
+
+  python benchmarks/run_benchmark.py --quick --output_dir out/bench            # tiny model, a few minutes
+  python benchmarks/run_benchmark.py --size base --output_dir out/bench-base   # roberta-base, batch 8 x 128
+
+The same work everywhere: one tokenizer (8,192-token ByteLevelBPE on Penn Treebank), one RoBERTa
+config (dropout 0, so runs are deterministic), the same initial weights (PyTorch init, loaded into Flax
+and TF with from_pt), the same pre-masked batches in the same order (masked by flax/run_mlm_flax.py's
+collator), the same loss (mean cross-entropy over masked tokens), and AdamW with the same warm-up and
+linear decay and weight decay on the same parameters. Each mode runs in its own process (fresh peak
+RSS), with the scripts' code paths where they have one: the Flax step is run_mlm_flax.py's (its
+mlm_sums, decay_mask_fn, learning-rate schedule) under jit; the PyTorch optimizer is the Trainer's
+(transformers.Trainer.create_optimizer/create_scheduler); TF's is tensorflow/run_mlm.py's
+create_optimizer. The loops are minimal (no Trainer/Keras fit bookkeeping), so they time the framework.
+
+Per mode: first step (tracing/compilation included), median of the timed steps (each synchronised by
+fetching its loss), tokens/s, model FLOPs per step and MFU against the matrix-multiply peak measured
+in this run, peak RSS, and the train loss after the common number of steps. Also: tokenization and
+grouping throughput (linear-time group_texts vs upstream's sum(lists, [])), and run_bert_flax.py fp32
+vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {
+    # hidden, layers, heads, intermediate, vocab, sequence length, global batch
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=8192, seq_len=64, batch_size=64),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, vocab_size=8192, seq_len=128, batch_size=16),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=50265, seq_len=128, batch_size=8),
+}
+# name: (framework, precision, what)
+MODES = {
+    "flax": ("flax", "fp32", "jax.jit, donated state"),
+    "flax_bf16": ("flax", "bf16", "jax.jit, dtype=bfloat16 (fp32 params)"),
+    "flax_pmap": ("flax", "fp32", "jax.pmap over fake CPU devices"),
+    "torch": ("pytorch", "fp32", "eager"),
+    "torch_bf16": ("pytorch", "bf16", "eager, CPU autocast bfloat16"),
+    "torch_compile": ("pytorch", "fp32", "torch.compile (inductor)"),
+    "torch_xla": ("pytorch/xla", "fp32", "XLA:CPU, own venv"),
+    "tf": ("tensorflow", "fp32", "tf.function"),
+    "tf_xla": ("tensorflow", "fp32", "tf.function(jit_compile=True)"),
+    "tf_bf16": ("tensorflow", "bf16", "mixed_bfloat16"),
+}
+DEFAULT_MODES = [m for m in MODES if m != "flax_pmap"]
+LEARNING_RATE, WEIGHT_DECAY, BETAS, EPS = 5e-4, 0.01, (0.9, 0.999), 1e-8
+
+
+def fail(message):
+    sys.exit(f"run_benchmark.py: error: {message}")
+
+
+def model_flops_per_step(config, batch_size, seq_len):
+    """Training FLOPs of one step of RoBERTa MLM: 3 x forward (backward = 2 x forward), counting
+    multiply-adds as 2 FLOPs, matrix products only (embeddings, softmax, norms left out). Per token and
+    layer: Q, K, V and output projections 8h^2, feed-forward 4hf, attention scores and values 4sh; the
+    LM head (dense h x h and decoder h x V) runs on every position, as in transformers."""
+    h, f, n_layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
+    per_token = n_layers * (8 * h * h + 4 * h * f + 4 * seq_len * h) + 2 * h * h + 2 * h * v
+    return 3 * batch_size * seq_len * per_token
+
+
+def load_script(relpath):
+    """Import a project script by path (its folder may share a name with a package, so never by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_" + Path(relpath).stem, ROOT / relpath)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --- workers: each runs in its own process and prints one JSON line ----------------------------------
+
+def learning_rates(total_steps):
+    """Linear warm-up over 10% of the steps from 0, then linear decay to 0 (the Trainer's, optax's and
+    create_optimizer's schedules all give these values at steps 0, 1, ...)."""
+    warmup = max(1, total_steps // 10)
+    return warmup, [LEARNING_RATE * (s / warmup if s < warmup else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
+                    for s in range(total_steps)]
+
+
+def data_digest(batches):
+    digest = hashlib.sha256()
+    for key in ("input_ids", "attention_mask", "labels"):
+        digest.update(np.ascontiguousarray(batches[key]).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def timed_loop(step_fn, batches):
+    """Run every batch through step_fn (which must return the loss as a Python float, i.e. wait for the
+    device); return the per-step wall times and losses."""
+    times, losses = [], []
+    for i in range(batches["input_ids"].shape[0]):
+        batch = {k: batches[k][i] for k in ("input_ids", "attention_mask", "labels")}
+        start = time.perf_counter()
+        losses.append(step_fn(batch))
+        times.append(time.perf_counter() - start)
+    return times, losses
+
+
+def worker_flax(spec, batches):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+    from transformers import FlaxAutoModelForMaskedLM
+
+    mlm = load_script("flax/run_mlm_flax.py")
+    dtype = jnp.bfloat16 if spec["precision"] == "bf16" else jnp.float32
+    model = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), dtype=dtype)
+    total = batches["input_ids"].shape[0]
+    warmup, _ = learning_rates(total)
+    schedule = mlm.create_learning_rate_fn(total, warmup, LEARNING_RATE)
+    tx = optax.adamw(schedule, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=mlm.decay_mask_fn)
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=tx)
+
+    def train_step(state, batch, axis=None):
+        def loss_fn(params):
+            logits = state.apply_fn(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], params=params, train=False)[0]
+            loss, _, count = mlm.mlm_sums(logits, batch["labels"])
+            return loss, count
+
+        (loss, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if axis:
+            loss, count, grad = jax.lax.psum((loss, count, grad), axis)
+        count = jnp.maximum(count, 1)
+        grad = jax.tree_util.tree_map(lambda g: g / count, grad)
+        return state.apply_gradients(grads=grad), loss / count
+
+    if spec["mode"] == "flax_pmap":
+        n = jax.local_device_count()
+        step = jax.pmap(lambda s, b: train_step(s, b, "batch"), "batch", donate_argnums=(0,))
+        state = jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), state))
+
+        def run(batch):
+            nonlocal state
+            state, loss = step(state, {k: v.reshape((n, -1) + v.shape[1:]) for k, v in batch.items()})
+            return float(loss[0])
+        extra = {"devices": n}
+    else:
+        step = jax.jit(train_step, donate_argnums=(0,))
+
+        def run(batch):
+            nonlocal state
+            state, loss = step(state, batch)
+            return float(loss)
+        extra = {"devices": 1}
+    times, losses = timed_loop(run, batches)
+    return dict(times=times, losses=losses, num_params=int(sum(x.size for x in jax.tree_util.tree_leaves(model.params))),
+                versions={"jax": jax.__version__, "flax": __import__("flax").__version__}, **extra)
+
+
+def worker_torch(spec, batches):
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForMaskedLM, Trainer, TrainingArguments
+
+    xla = spec["mode"] == "torch_xla"
+    if xla:
+        import torch_xla
+
+        device = torch_xla.device()
+    else:
+        device = torch.device("cpu")
+    model = AutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "pytorch")).to(device).train()
+    total = batches["input_ids"].shape[0]
+    warmup, _ = learning_rates(total)
+    # The optimizer and schedule exactly as the Trainer (pytorch/run_mlm.py) builds them.
+    args = TrainingArguments(output_dir=spec["work_dir"], learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, warmup_steps=warmup,
+                             lr_scheduler_type="linear", optim="adamw_torch", report_to="none", use_cpu=not xla)
+    trainer = Trainer(model=model, args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=total)
+    optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
+    forward = torch.compile(model) if spec["mode"] == "torch_compile" else model
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
+
+    def run(batch):
+        batch = {k: torch.from_numpy(v).long().to(device) for k, v in batch.items()}
+        with autocast:
+            logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if xla:
+            torch_xla.sync()
+        return float(loss.item())
+
+    times, losses = timed_loop(run, batches)
+    versions = {"torch (.venv-xla)": torch.__version__, "torch_xla": torch_xla.__version__} if xla else {"torch": torch.__version__}
+    return dict(times=times, losses=losses, num_params=int(sum(p.numel() for p in model.parameters())), versions=versions,
+                threads=torch.get_num_threads())
+
+
+def worker_tf(spec, batches):
+    import tensorflow as tf
+    from transformers import TFAutoModelForMaskedLM, create_optimizer
+    from transformers.modeling_tf_utils import keras
+
+    if spec["precision"] == "bf16":
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = TFAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "tensorflow"))
+    total = batches["input_ids"].shape[0]
+    warmup, _ = learning_rates(total)
+    # As tensorflow/run_mlm.py: AdamWeightDecay, warm-up then linear decay, no decay on LayerNorm/bias.
+    optimizer, _ = create_optimizer(init_lr=LEARNING_RATE, num_train_steps=total, num_warmup_steps=warmup,
+                                    weight_decay_rate=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS)
+
+    @tf.function(jit_compile=spec["mode"] == "tf_xla")
+    def train_step(input_ids, attention_mask, labels):
+        with tf.GradientTape() as tape:
+            logits = tf.cast(model(input_ids=input_ids, attention_mask=attention_mask, training=True).logits, tf.float32)
+            mask = labels != -100
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.where(mask, labels, 0), logits)
+            loss = tf.reduce_sum(tf.where(mask, losses, 0.0)) / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32)), 1.0)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def run(batch):
+        return float(train_step(*(tf.constant(batch[k]) for k in ("input_ids", "attention_mask", "labels"))).numpy())
+
+    times, losses = timed_loop(run, batches)
+    return dict(times=times, losses=losses, num_params=int(model.count_params()), versions={"tensorflow": tf.__version__})
+
+
+def matmul_worker(spec):
+    """GFLOP/s of an n x n matrix product in one framework, fp32 and bf16: median of `reps` timed calls."""
+    n, reps, framework = spec["n"], spec["reps"], spec["framework"]
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        if framework == "torch":
+            import torch
+
+            dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+            x, y = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+            call = lambda: torch.mm(x, y)  # noqa: E731
+        elif framework == "jax":
+            import jax
+            import jax.numpy as jnp
+
+            dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
+            x, y = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+            f = jax.jit(jnp.matmul)
+            call = lambda: f(x, y).block_until_ready()  # noqa: E731
+        else:
+            import tensorflow as tf
+
+            dtype = tf.float32 if precision == "fp32" else tf.bfloat16
+            x, y = tf.cast(tf.constant(a), dtype), tf.cast(tf.constant(b), dtype)
+            call = lambda: tf.linalg.matmul(x, y).numpy()  # noqa: E731
+        call()
+        call()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        out[precision] = 2 * n**3 / float(np.median(times)) / 1e9
+    return out
+
+
+def init_worker(spec):
+    """The shared initial weights: a PyTorch RoBERTa from the config with seed 0, also saved in Flax's and
+    TF's formats, so each training worker loads its own format and imports no other framework."""
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM, FlaxAutoModelForMaskedLM, TFAutoModelForMaskedLM
+
+    torch.manual_seed(0)
+    pt_dir = os.path.join(spec["init_dir"], "pytorch")
+    AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(spec["config_dir"])).save_pretrained(pt_dir)
+    FlaxAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(os.path.join(spec["init_dir"], "flax"))
+    TFAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(os.path.join(spec["init_dir"], "tensorflow"))
+    return {}
+
+
+def worker_main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    kind = spec["kind"]
+    if kind == "matmul":
+        result = matmul_worker(spec)
+    elif kind == "init":
+        result = init_worker(spec)
+    else:
+        with np.load(spec["batches"]) as data:
+            batches = {k: data[k] for k in data.files}
+        start = time.perf_counter()
+        worker = {"flax": worker_flax, "pytorch": worker_torch, "pytorch/xla": worker_torch, "tensorflow": worker_tf}[MODES[spec["mode"]][0]]
+        result = worker(spec, batches)
+        result["wall_s"] = time.perf_counter() - start
+        result["data_sha256"] = data_digest(batches)
+        result["batch_shape"] = list(batches["input_ids"].shape[1:])
+        result["config"] = json.loads(Path(spec["config_dir"], "config.json").read_text())
+    result["peak_rss_mb"] = peak_rss_mb()
+    print("BENCHMARK_RESULT " + json.dumps(result))
+
+
+# --- the harness ------------------------------------------------------------------------------------
+
+def run_worker(spec, work_dir, python=sys.executable, env=None, timeout=3600):
+    """Run one worker process; return its result dict, or {"error": last line of its output}."""
+    path = Path(work_dir) / f"spec-{spec.get('mode', spec['kind'])}-{spec.get('framework', '')}.json"
+    path.write_text(json.dumps(spec))
+    full_env = {k: v for k, v in os.environ.items() if k not in ("USE_TF", "USE_TORCH", "USE_FLAX")}
+    framework = MODES[spec["mode"]][0] if "mode" in spec else None
+    # Keep transformers from importing the other frameworks (time, and memory in the peak RSS).
+    hidden = {"flax": ("USE_TF", "USE_TORCH"), "tensorflow": ("USE_TORCH", "USE_FLAX")}.get(framework, ("USE_TF", "USE_FLAX"))
+    if spec["kind"] != "init":
+        full_env.update({name: "0" for name in hidden})
+    full_env.update({"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+    try:
+        proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(path)], cwd=ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCHMARK_RESULT "):
+            return json.loads(line[len("BENCHMARK_RESULT "):])
+    lines = [line for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip()]
+    return {"error": lines[-1][:300] if lines else f"exit {proc.returncode}", "log_tail": "\n".join(lines[-30:])}
+
+
+def run_tool(args, what):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        fail(f"{what} failed: {lines[-1] if lines else proc.returncode}")
+
+
+def prepare_data(work, args, size, bar):
+    """Corpus, tokenizer and config (cached in the work folder), then the pre-masked batches."""
+    corpus, tok = work / "ptb", work / "tokenizer"
+    if not (corpus / "train.txt").is_file():
+        run_tool(["tokenizers/prepare_corpus.py", "--corpus", "ptb", "--output_dir", str(corpus)], "prepare_corpus.py")
+    if not (tok / "tokenizer.json").is_file():
+        run_tool(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "8192",
+                  "--min_frequency", "2", "--output_dir", str(tok), "--overwrite_output_dir"], "train_tokenizer.py")
+    bar.update(1)
+    config_dir = work / f"config-{args.size}"
+    overrides = ",".join(f"{k}={size[k]}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
+    run_tool(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(tok), "--output_dir", str(config_dir),
+              "--overwrite_output_dir", "--config_overrides", overrides + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"],
+             "create_config.py")
+
+    # Preprocessing throughput: tokenize, then group with the linear-time group_texts and with upstream's sum(lists, []).
+    from datasets import Dataset, disable_progress_bars
+    from transformers import AutoTokenizer
+
+    disable_progress_bars()
+    mlm = load_script("flax/run_mlm_flax.py")
+    tokenizer = AutoTokenizer.from_pretrained(str(tok))
+    lines = [line for line in (corpus / "train.txt").read_text().splitlines() if line.strip()][: args.preprocess_lines]
+    dataset = Dataset.from_dict({"text": lines})
+    start = time.perf_counter()
+    tokenized = dataset.map(lambda b: tokenizer(b["text"], return_special_tokens_mask=True), batched=True, remove_columns=["text"])
+    tokenize_s = time.perf_counter() - start
+    num_tokens = sum(len(x) for x in tokenized["input_ids"])
+
+    def group_with_sum(examples, max_seq_length):
+        concatenated = {k: sum(examples[k], []) for k in examples.keys()}
+        total = (len(concatenated["input_ids"]) // max_seq_length) * max_seq_length
+        return {k: [t[i : i + max_seq_length] for i in range(0, total, max_seq_length)] for k, t in concatenated.items()}
+
+    group_s = {}
+    for name, fn in (("group_texts (linear)", mlm.group_texts), ("sum(lists, []) (upstream)", group_with_sum)):
+        start = time.perf_counter()
+        grouped = tokenized.map(fn, fn_kwargs={"max_seq_length": size["seq_len"]}, batched=True, batch_size=1000)
+        group_s[name] = time.perf_counter() - start
+    preprocessing = {"lines": len(lines), "tokens": num_tokens, "tokenize_s": tokenize_s,
+                     "tokenize_tokens_per_s": num_tokens / tokenize_s,
+                     "group": {name: {"seconds": s, "tokens_per_s": num_tokens / s} for name, s in group_s.items()}}
+    bar.update(1)
+
+    # The batches every mode trains on: a seeded permutation of the blocks, masked by the Flax script's collator.
+    steps, batch_size = args.steps, size["batch_size"]
+    if len(grouped) < steps * batch_size:
+        fail(f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch ({steps * batch_size}); "
+             "raise --preprocess_lines or lower --steps")
+    order = np.random.default_rng(args.seed).permutation(len(grouped))[: steps * batch_size]
+    collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=0.15)
+    rng = np.random.default_rng(args.seed)
+    columns = {k: [] for k in ("input_ids", "attention_mask", "labels")}
+    for step in range(steps):
+        rows = grouped.select(order[step * batch_size : (step + 1) * batch_size])
+        batch = collator({k: rows[k] for k in ("input_ids", "attention_mask", "special_tokens_mask")}, rng)
+        for k in columns:
+            columns[k].append(batch[k].astype(np.int32))
+    batches_path = work / f"batches-{args.size}.npz"
+    np.savez(batches_path, **{k: np.stack(v) for k, v in columns.items()})
+    return config_dir, batches_path, preprocessing
+
+
+def machine_info():
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def summarize(name, result, flops, peaks, warmup_steps, size):
+    framework, precision, what = MODES[name]
+    row = {"mode": name, "framework": framework, "precision": precision, "what": what}
+    if "error" in result or "skipped" in result:
+        return {**row, **result}
+    steady = result["times"][warmup_steps:]
+    step_s = float(np.median(steady))
+    achieved = flops / step_s / 1e9
+    row.update(result)
+    row.update(first_step_s=result["times"][0], step_ms=1000 * step_s, step_ms_spread=[1000 * min(steady), 1000 * max(steady)],
+               tokens_per_s=size["batch_size"] * size["seq_len"] / step_s, gflops=achieved,
+               mfu=achieved / peaks[precision], mfu_vs_bf16_peak=achieved / peaks["bf16"], final_loss=result["losses"][-1])
+    return row
+
+
+def write_outputs(out, report):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    rows = report["modes"]
+    ok = [r for r in rows if "step_ms" in r]
+    w = report["workload"]
+    lines = [
+        f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
+        "",
+        f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}; "
+        + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())) + ".",
+        f"Command: `{report['command']}`. {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
+        f"median of the other {w['steps'] - w['warmup_steps']}. Model FLOPs per step: {w['flops_per_step'] / 1e9:.1f} GFLOP. "
+        f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
+        f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 {report['matmul']['peak']['bf16']:.0f} GFLOP/s.",
+        "",
+        "| mode | precision | how | first step (s) | step (ms) | tokens/s | GFLOP/s | MFU | MFU vs bf16 peak | peak RSS (MB) | loss after last step |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "step_ms" in r:
+            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | {r['step_ms']:.1f} | "
+                         f"{r['tokens_per_s']:,.0f} | {r['gflops']:.1f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_vs_bf16_peak']:.1f} % | "
+                         f"{r['peak_rss_mb']:,.0f} | {r['final_loss']:.4f} |")
+        else:
+            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |" + " |" * 7)
+    lines += ["", "## Goals", ""]
+    for goal in report["goals"]:
+        lines.append(f"- {goal}")
+    lines += ["", "## Matrix multiply (GFLOP/s)", "", "| framework | fp32 | bf16 |", "| --- | ---: | ---: |"]
+    for fw, v in report["matmul"]["frameworks"].items():
+        lines.append(f"| {fw} | {v['fp32']:.0f} | {v['bf16']:.0f} |" if "fp32" in v else f"| {fw} | failed: {v.get('error')} | |")
+    p = report["preprocessing"]
+    lines += ["", f"## Preprocessing ({p['lines']:,} PTB lines, {p['tokens']:,} tokens)", "", "| stage | seconds | tokens/s |",
+              "| --- | ---: | ---: |", f"| tokenize | {p['tokenize_s']:.2f} | {p['tokenize_tokens_per_s']:,.0f} |"]
+    for name, g in p["group"].items():
+        lines.append(f"| group: {name} | {g['seconds']:.2f} | {g['tokens_per_s']:,.0f} |")
+    inference = report.get("inference") or {}
+    if inference:
+        lines += ["", f"## Inference: flax/run_bert_flax.py ({inference.get('setup', '')})", "", "| precision | median call (s) | examples/s |",
+                  "| --- | ---: | ---: |"]
+        for precision in ("float32", "bfloat16"):
+            r = inference.get(precision, {})
+            lines.append(f"| {precision} | {r['median_s']:.3f} | {r['examples_per_second']:.1f} |" if "median_s" in r
+                         else f"| {precision} | failed: {r.get('error')} | |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["mode"] for r in ok]
+    colors = ["tab:blue" if r["framework"] == "flax" else "tab:orange" if r["framework"].startswith("pytorch") else "tab:green" for r in ok]
+    axes[0].bar(names, [r["tokens_per_s"] for r in ok], color=colors)
+    axes[0].set_ylabel("training tokens/s")
+    axes[1].bar(names, [100 * r["mfu"] for r in ok], color=colors)
+    axes[1].set_ylabel("MFU (% of this run's matmul peak, same precision)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45)
+        for label in ax.get_xticklabels():
+            label.set_ha("right")
+    fig.suptitle(f"RoBERTa {w['size']} MLM, batch {w['batch_size']} x {w['seq_len']}, {report['machine']['cpu']}")
+    fig.tight_layout()
+    fig.savefig(out / "results.png", dpi=100)
+    plt.close(fig)
+
+
+def goals(rows, peaks):
+    ok = {r["mode"]: r for r in rows if "step_ms" in r}
+    torch_modes = [r for r in ok.values() if r["framework"].startswith("pytorch")]
+    out = []
+    flax = ok.get("flax")
+    flax_best = min((r for r in ok.values() if r["framework"] == "flax"), key=lambda r: r["step_ms"], default=None)
+    if flax_best and torch_modes:
+        fastest = min(torch_modes, key=lambda r: r["step_ms"])
+        out.append(f"Flax speed vs the fastest PyTorch mode ({fastest['mode']}, {fastest['step_ms']:.1f} ms): best Flax mode "
+                   f"{flax_best['mode']} {flax_best['step_ms']:.1f} ms = {fastest['step_ms'] / flax_best['step_ms']:.2f}x (goal >= 1.0x)")
+        out.append(f"Flax ({flax_best['mode']}) vs the bf16 matmul peak ({peaks['bf16']:.0f} GFLOP/s): "
+                   f"{100 * flax_best['gflops'] / peaks['bf16']:.1f} % (goal >= 50 %)")
+        fastest_mem = fastest["peak_rss_mb"]
+        out.append(f"Flax peak RSS vs PyTorch's ({fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / {fastest_mem:,.0f} MB = "
+                   f"{flax_best['peak_rss_mb'] / fastest_mem:.2f}x (goal <= 1.0x)")
+    reference = ok.get("torch") or flax
+    if reference:
+        worst = max(ok.values(), key=lambda r: abs(r["final_loss"] - reference["final_loss"]))
+        out.append(f"Same work: loss after the last step differs from {reference['mode']}'s ({reference['final_loss']:.4f}) by at most "
+                   f"{abs(worst['final_loss'] - reference['final_loss']):.4f} ({worst['mode']})")
+    out.append("MFU: " + ", ".join(f"{r['mode']} {100 * r['mfu']:.1f} %" for r in ok.values()))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", help="Where results.{md,json,png} (and a work/ cache) go.")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="Model and batch preset (default: base; tiny with --quick).")
+    parser.add_argument("--quick", action="store_true", help="Tiny model, few steps, small matmul: a few minutes.")
+    parser.add_argument("--steps", type=int, default=None, help="Training steps per mode (default 8 quick, 20 otherwise).")
+    parser.add_argument("--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise).")
+    parser.add_argument("--batch_size", type=int, default=None, help="Override the preset's global batch.")
+    parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"Comma-separated, from: {', '.join(MODES)}.")
+    parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_pmap mode.")
+    parser.add_argument("--xla_python", default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
+                        help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.")
+    parser.add_argument("--preprocess_lines", type=int, default=None, help="PTB lines to preprocess (default 5000 quick, all otherwise).")
+    parser.add_argument("--no_inference", action="store_true", help="Skip the run_bert_flax.py fp32/bf16 inference benchmark.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if not args.output_dir:
+        fail("--output_dir is required")
+
+    args.size = args.size or ("tiny" if args.quick else "base")
+    args.steps = args.steps or (8 if args.quick else 20)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
+    args.preprocess_lines = args.preprocess_lines or (5000 if args.quick else 10**9)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    if not 0 <= args.warmup_steps < args.steps:
+        fail(f"--warmup_steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+    size = dict(SIZES[args.size])
+    size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
+    if "flax_pmap" in modes and size["batch_size"] % args.flax_devices:
+        fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
+    out = Path(args.output_dir)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    frameworks = ("torch", "jax", "tensorflow")
+    total = 2 + len(frameworks) + 1 + len(modes) + (0 if args.no_inference else 2)
+    bar = tqdm(total=total, desc="benchmark", unit="task")
+    started = time.perf_counter()
+    bar.set_postfix_str("corpus, tokenizer, config, preprocessing")
+    config_dir, batches_path, preprocessing = prepare_data(work, args, size, bar)
+
+    n = 1024 if args.quick else 4096
+    matmul = {}
+    for fw in frameworks:
+        bar.set_postfix_str(f"matmul {fw}")
+        res = run_worker({"kind": "matmul", "framework": fw, "n": n, "reps": 5 if args.quick else 7}, work)
+        matmul[fw] = {k: v for k, v in res.items() if k in ("fp32", "bf16", "error")}
+        bar.update(1)
+    measured = [v for v in matmul.values() if "fp32" in v]
+    if not measured:
+        fail("no framework could time a matrix product: " + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items()))
+    peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16")}
+
+    bar.set_postfix_str("initial weights")
+    init_dir = work / f"init-{args.size}"
+    res = run_worker({"kind": "init", "config_dir": str(config_dir), "init_dir": str(init_dir)}, work)
+    if "error" in res:
+        fail(f"creating the initial weights failed: {res['error']}")
+    bar.update(1)
+
+    config = json.loads((config_dir / "config.json").read_text())
+    flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
+    rows, versions = [], {}
+    for name in modes:
+        bar.set_postfix_str(name)
+        spec = {"kind": "train", "mode": name, "precision": MODES[name][1], "config_dir": str(config_dir), "init_dir": str(init_dir),
+                "batches": str(batches_path), "warmup_steps": args.warmup_steps, "work_dir": str(work / name)}
+        if name == "torch_xla":
+            if not os.path.exists(args.xla_python):
+                result = {"skipped": f"no PyTorch/XLA environment at {args.xla_python} (bash run.sh setup-xla)"}
+            else:
+                result = run_worker(spec, work, python=args.xla_python, env={"PJRT_DEVICE": "CPU"})
+        else:
+            env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.flax_devices}"} if name == "flax_pmap" else None
+            result = run_worker(spec, work, env=env)
+        versions.update(result.get("versions", {}))
+        rows.append(summarize(name, result, flops, peaks, args.warmup_steps, size))
+        bar.update(1)
+
+    inference = {}
+    if not args.no_inference:
+        setup = ["--batch_size", "8", "--seq_length", "64", "--num_warmup", "1", "--num_iterations", "3",
+                 "--config_overrides", "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512"] if args.quick \
+            else ["--num_warmup", "2", "--num_iterations", "10"]
+        inference["setup"] = "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
+        for precision in ("float32", "bfloat16"):
+            bar.set_postfix_str(f"inference {precision}")
+            path = work / f"bert-{precision}.json"
+            proc = subprocess.run([sys.executable, "flax/run_bert_flax.py", "--precision", precision, "--output_file", str(path), *setup],
+                                  cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode == 0 and path.is_file():
+                inference[precision] = json.loads(path.read_text())
+            else:
+                inference[precision] = {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+            bar.update(1)
+    bar.close()
+
+    import transformers
+
+    versions["transformers"] = transformers.__version__
+    num_params = next((r["num_params"] for r in rows if "num_params" in r), 0)
+    report = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(),
+        "versions": versions,
+        "workload": {"size": args.size, **size, "steps": args.steps, "warmup_steps": args.warmup_steps, "num_params": num_params,
+                     "flops_per_step": flops, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "config": config},
+        "matmul": {"n": n, "frameworks": matmul, "peak": peaks},
+        "preprocessing": preprocessing,
+        "modes": rows,
+        "inference": inference,
+        "runtime_s": time.perf_counter() - started,
+    }
+    report["goals"] = goals(rows, peaks)
+    write_outputs(out, report)
+    print((out / "results.md").read_text())
+    print(f"Wrote {out / 'results.md'}, results.json and results.png in {report['runtime_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""benchmarks/run_benchmark.py: the harness, not the speed (no timing assertions)."""
+
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, check_ok, load_script, run
+
+XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(ROOT, ".venv-xla", "bin", "python"))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("benchmarks/run_benchmark.py", "run_benchmark")
+
+
+def test_flops_match_a_hand_count(bench):
+    """roberta-base, batch 8 x 128. Per token, per layer: Q, K, V, output 4 x 2 x 768^2 = 4,718,592;
+    feed-forward 2 x 2 x 768 x 3072 = 9,437,184; scores and values 2 x 2 x 128 x 768 = 393,216; 12 layers:
+    174,587,904. LM head: dense 2 x 768^2 = 1,179,648, decoder 2 x 768 x 50,265 = 77,207,040.
+    Per token 252,974,592; x 3 (forward + backward) x 1,024 tokens = 777,137,946,624."""
+    config = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "vocab_size": 50265}
+    assert bench.model_flops_per_step(config, 8, 128) == 777_137_946_624
+
+
+def test_learning_rates_warm_up_then_decay(bench):
+    warmup, rates = bench.learning_rates(20)
+    assert warmup == 2 and rates[0] == 0.0 and rates[2] == pytest.approx(bench.LEARNING_RATE)
+    assert rates[11] == pytest.approx(bench.LEARNING_RATE / 2) and rates[-1] > 0.0
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = check_ok(run(["benchmarks/run_benchmark.py", "--quick", "--output_dir", str(out)], env={"XLA_PYTHON": XLA_PYTHON}))
+    return out, json.loads((out / "results.json").read_text()), result
+
+
+def test_quick_writes_table_json_and_plot(quick, bench):
+    out, report, _ = quick
+    table = (out / "results.md").read_text()
+    assert table.startswith("# MLM training benchmark: RoBERTa tiny") and "| mode | precision |" in table
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["mode"] for r in report["modes"]] == bench.DEFAULT_MODES
+    for row in report["modes"]:
+        assert f"| {row['mode']} |" in table
+    assert any(line.startswith("Flax speed vs the fastest PyTorch mode") for line in report["goals"])
+    assert report["matmul"]["peak"]["fp32"] > 0 and report["matmul"]["peak"]["bf16"] > 0
+    groups = report["preprocessing"]["group"]
+    assert set(groups) == {"group_texts (linear)", "sum(lists, []) (upstream)"}
+    assert {"float32", "bfloat16"} <= set(report["inference"]) and all("median_s" in report["inference"][p] for p in ("float32", "bfloat16"))
+
+
+def test_every_installed_framework_ran(quick):
+    _, report, _ = quick
+    rows = {r["mode"]: r for r in report["modes"]}
+    for mode in ("flax", "flax_bf16", "torch", "torch_bf16", "torch_compile", "tf", "tf_xla", "tf_bf16"):
+        assert "step_ms" in rows[mode], rows[mode].get("error") or rows[mode].get("log_tail")
+        assert 0 < rows[mode]["mfu"] and rows[mode]["peak_rss_mb"] > 0
+    if os.path.exists(XLA_PYTHON) or os.environ.get("CI"):
+        assert "step_ms" in rows["torch_xla"], rows["torch_xla"]
+    else:
+        assert "setup-xla" in rows["torch_xla"]["skipped"]
+
+
+def test_every_framework_did_the_same_work(quick):
+    """Same config, same batches (digest of what each worker fed), same FLOPs, same starting weights:
+    the loss after the last step agrees across frameworks to numerical noise."""
+    _, report, _ = quick
+    ran = [r for r in report["modes"] if "step_ms" in r]
+    assert len(ran) >= 8
+    first = ran[0]
+    for row in ran[1:]:
+        assert row["data_sha256"] == first["data_sha256"] and row["batch_shape"] == first["batch_shape"] == [64, 64]
+        assert row["config"] == first["config"] and row["num_params"] == first["num_params"]
+        assert len(row["losses"]) == len(first["losses"]) == report["workload"]["steps"]
+        assert row["losses"][0] == pytest.approx(first["losses"][0], abs=2e-3)  # same initial weights and batch
+        assert row["final_loss"] == pytest.approx(first["final_loss"], abs=1e-2)
+    assert first["losses"][-1] < first["losses"][0]
