@@ -126,12 +126,15 @@ def worker_flax(spec, batches):
 
     mlm = load_script("flax/run_mlm_flax.py")
     dtype = jnp.bfloat16 if spec["precision"] == "bf16" else jnp.float32
-    model = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), dtype=dtype)
+    # _do_init=False: the model object keeps no copy of the weights beside the train state's.
+    model, params = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), dtype=dtype, _do_init=False)
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
     schedule = mlm.create_learning_rate_fn(total, warmup, LEARNING_RATE)
     tx = optax.adamw(schedule, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, mask=mlm.decay_mask_fn)
-    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=tx)
+    num_params = int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=params, tx=tx)
+    del params
 
     def train_step(state, batch, axis=None):
         def loss_fn(params):
@@ -149,7 +152,7 @@ def worker_flax(spec, batches):
     if spec["mode"] == "flax_pmap":
         n = jax.local_device_count()
         step = jax.pmap(lambda s, b: train_step(s, b, "batch"), "batch", donate_argnums=(0,))
-        state = jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), state))
+        state = jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)] * n), state))
 
         def run(batch):
             nonlocal state
@@ -165,7 +168,7 @@ def worker_flax(spec, batches):
             return float(loss)
         extra = {"devices": 1}
     times, losses = timed_loop(run, batches)
-    return dict(times=times, losses=losses, num_params=int(sum(x.size for x in jax.tree_util.tree_leaves(model.params))),
+    return dict(times=times, losses=losses, num_params=num_params,
                 versions={"jax": jax.__version__, "flax": __import__("flax").__version__}, **extra)
 
 
@@ -246,7 +249,8 @@ def worker_tf(spec, batches):
 
 
 def matmul_worker(spec):
-    """GFLOP/s of an n x n matrix product in one framework, fp32 and bf16: median of `reps` timed calls."""
+    """GFLOP/s of an n x n matrix product in one framework, fp32 and bf16, from the fastest of `reps` timed
+    calls (a peak: interference from elsewhere on the machine only ever slows a call down)."""
     n, reps, framework = spec["n"], spec["reps"], spec["framework"]
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
@@ -257,7 +261,7 @@ def matmul_worker(spec):
 
             dtype = torch.float32 if precision == "fp32" else torch.bfloat16
             x, y = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
-            call = lambda: torch.mm(x, y)  # noqa: E731
+            call = lambda x=x, y=y: torch.mm(x, y)  # noqa: E731
         elif framework == "jax":
             import jax
             import jax.numpy as jnp
@@ -265,13 +269,13 @@ def matmul_worker(spec):
             dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
             x, y = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
             f = jax.jit(jnp.matmul)
-            call = lambda: f(x, y).block_until_ready()  # noqa: E731
+            call = lambda f=f, x=x, y=y: f(x, y).block_until_ready()  # noqa: E731
         else:
             import tensorflow as tf
 
             dtype = tf.float32 if precision == "fp32" else tf.bfloat16
             x, y = tf.cast(tf.constant(a), dtype), tf.cast(tf.constant(b), dtype)
-            call = lambda: tf.linalg.matmul(x, y).numpy()  # noqa: E731
+            call = lambda x=x, y=y: tf.linalg.matmul(x, y).numpy()  # noqa: E731
         call()
         call()
         times = []
@@ -279,7 +283,7 @@ def matmul_worker(spec):
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
-        out[precision] = 2 * n**3 / float(np.median(times)) / 1e9
+        out[precision] = 2 * n**3 / min(times) / 1e9
     return out
 
 
@@ -455,7 +459,9 @@ def write_outputs(out, report):
         "",
         f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}; "
         + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())) + ".",
-        f"Command: `{report['command']}`. {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
+        f"Command: `{report['command']}`."
+        + (f" Flax modes ran with XLA_FLAGS=`{report['xla_flags']}`." if report["xla_flags"] else "")
+        + f" {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
         f"median of the other {w['steps'] - w['warmup_steps']}. Model FLOPs per step: {w['flops_per_step'] / 1e9:.1f} GFLOP. "
         f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
         f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 {report['matmul']['peak']['bf16']:.0f} GFLOP/s.",
@@ -497,7 +503,7 @@ def write_outputs(out, report):
     axes[0].bar(names, [r["tokens_per_s"] for r in ok], color=colors)
     axes[0].set_ylabel("training tokens/s")
     axes[1].bar(names, [100 * r["mfu"] for r in ok], color=colors)
-    axes[1].set_ylabel("MFU (% of this run's matmul peak, same precision)")
+    axes[1].set_ylabel("MFU, % of matmul peak (same precision)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)
         for label in ax.get_xticklabels():
@@ -543,6 +549,7 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"Comma-separated, from: {', '.join(MODES)}.")
     parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_pmap mode.")
+    parser.add_argument("--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false).")
     parser.add_argument("--xla_python", default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
                         help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.")
     parser.add_argument("--preprocess_lines", type=int, default=None, help="PTB lines to preprocess (default 5000 quick, all otherwise).")
@@ -614,8 +621,8 @@ def main(argv=None):
             else:
                 result = run_worker(spec, work, python=args.xla_python, env={"PJRT_DEVICE": "CPU"})
         else:
-            env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.flax_devices}"} if name == "flax_pmap" else None
-            result = run_worker(spec, work, env=env)
+            flags = args.xla_flags + (f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_pmap" else "")
+            result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))
         rows.append(summarize(name, result, flops, peaks, args.warmup_steps, size))
         bar.update(1)
@@ -647,6 +654,7 @@ def main(argv=None):
         "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_info(),
         "versions": versions,
+        "xla_flags": args.xla_flags,
         "workload": {"size": args.size, **size, "steps": args.steps, "warmup_steps": args.warmup_steps, "num_params": num_params,
                      "flops_per_step": flops, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "config": config},
         "matmul": {"n": n, "frameworks": matmul, "peak": peaks},

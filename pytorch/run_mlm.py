@@ -211,7 +211,7 @@ def find_checkpoint(training_args):
         for name in os.listdir(output_dir)
         if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1:].isdigit()
     )
-    for step, name in reversed(steps):
+    for _step, name in reversed(steps):
         path = os.path.join(output_dir, name)
         if os.path.isfile(os.path.join(path, "trainer_state.json")):
             logger.info(f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "

@@ -6,7 +6,6 @@ import math
 import os
 import re
 import shutil
-import sys
 
 import numpy as np
 import pytest
