@@ -42,6 +42,17 @@ def error_line(result, prefix):
     return last
 
 
+def bad_input(make_args, prefix, default_output):
+    """A caller for bad-input tests: runs make_args(output_dir, *extra) (with --train_file replaced when
+    train_file is given) and returns the one error line the script must print."""
+    def call(*extra, env=None, train_file=None, output_dir=None):
+        args = make_args(output_dir or default_output, *extra)
+        if train_file is not None:
+            args[args.index("--train_file") + 1] = str(train_file)
+        return error_line(run(args, env=env), prefix)
+    return call
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """The real PTB splits from the corpus helper, plus small slices of them for fast tests."""

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import check_ok, error_line, load_script, run, script_args
+from conftest import bad_input, check_ok, error_line, load_script, run, script_args
 
 SCRIPT = "pytorch/run_mlm.py"
 NO_DROPOUT = "hidden_dropout_prob=0,attention_probs_dropout_prob=0"
@@ -213,12 +213,8 @@ def test_masks_depend_on_example_and_epoch_not_batch(collator):
 
 @pytest.fixture()
 def bad(tiny_model_dir, corpus, tmp_path):
-    def call(*extra, env=None, train_file=None, output_dir=None):
-        args = mlm_args(tiny_model_dir, corpus, output_dir or tmp_path / "out", "--do_train", "--do_eval", *extra)
-        if train_file is not None:
-            args[args.index("--train_file") + 1] = str(train_file)
-        return error_line(run(args, env=env), "run_mlm.py")
-    return call
+    return bad_input(lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
+                     "run_mlm.py", tmp_path / "out")
 
 
 def test_bad_files_and_flags(bad, tmp_path):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import TWO_DEVICES, check_ok, error_line, load_script, logged_losses, make_model_dir, run, script_args
+from conftest import TWO_DEVICES, bad_input, check_ok, load_script, logged_losses, make_model_dir, run, script_args
 
 SCRIPT = "flax/run_clm_flax.py"
 clm = load_script(SCRIPT, "run_clm_flax")
@@ -86,11 +86,7 @@ def test_padding_is_masked_out_of_the_loss():
 
 
 def test_bad_input(gpt2_dir, corpus, tmp_path):
-    def bad(*extra, env=None, output_dir=None, train_file=None):
-        args = clm_args(gpt2_dir, corpus, output_dir or tmp_path / "out", "--do_train", *extra)
-        if train_file is not None:
-            args[args.index("--train_file") + 1] = str(train_file)
-        return error_line(run(args, env=env), "run_clm_flax.py")
+    bad = bad_input(lambda out, *extra: clm_args(gpt2_dir, corpus, out, "--do_train", *extra), "run_clm_flax.py", tmp_path / "out")
 
     assert "does not exist" in bad(train_file=tmp_path / "missing.txt")
     short = tmp_path / "short"

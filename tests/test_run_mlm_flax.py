@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TWO_DEVICES, check_ok, error_line, logged_losses, run, script_args
+from conftest import ROOT, TWO_DEVICES, bad_input, check_ok, logged_losses, run, script_args
 
 SCRIPT = "flax/run_mlm_flax.py"
 
@@ -143,12 +143,8 @@ def test_two_hosts_match_one_host_with_two_devices(tiny_model_dir, corpus, tmp_p
 
 @pytest.fixture()
 def bad(tiny_model_dir, corpus, tmp_path):
-    def call(*extra, env=None, train_file=None, output_dir=None):
-        args = mlm_args(tiny_model_dir, corpus, output_dir or tmp_path / "out", "--do_train", "--do_eval", *extra)
-        if train_file is not None:
-            args[args.index("--train_file") + 1] = str(train_file)
-        return error_line(run(args, env=env), "run_mlm_flax.py")
-    return call
+    return bad_input(lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
+                     "run_mlm_flax.py", tmp_path / "out")
 
 
 def test_missing_train_file(bad, tmp_path):
