@@ -84,6 +84,19 @@ def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
     assert results(tmp_path / "eval", "eval")["eval_accuracy"] == results(out, "eval")["eval_accuracy"]
 
 
+def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
+    """--streaming (an IterableDataset: needs --max_steps) with --line_by_line (one example per line,
+    padded per batch): the other preprocessing path, end to end."""
+    out = tmp_path / "stream"
+    result = check_ok(run(mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--streaming", "--line_by_line",
+                                   "--per_device_train_batch_size", "8", "--max_steps", "6", "--logging_steps", "3",
+                                   "--max_eval_samples", "40", "--save_strategy", "no")))
+    assert len(trainer_losses(result.stdout)) == 2 and results(out, "train")["global_step"] == 6
+    metrics = results(out, "eval")
+    # 40 lines of PTB, each one sequence: about 2-3 masked tokens a line
+    assert 40 <= metrics["eval_masked_tokens"] <= 40 * 10 and math.isfinite(metrics["eval_loss"])
+
+
 @pytest.fixture(scope="module")
 def equivalence(tiny_model_dir, corpus, tmp_path_factory):
     """Three steps on a global batch of 8, without dropout: one process with batch 8, and the same
