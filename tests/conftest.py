@@ -13,17 +13,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ROBERTA = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
 
 
+# The scripts hide the frameworks they do not use from transformers (os.environ.setdefault("USE_TF", "0")
+# and the like). Imported here, that must not leak into this process or the scripts it starts.
+FRAMEWORK_SWITCHES = ("USE_TF", "USE_TORCH", "USE_FLAX")
+
+
 def load_script(relpath, name):
-    """Import a script by path under a name that cannot shadow a package (the folders can)."""
+    """Import a script by path under a name that cannot shadow a package (the folders can), with every
+    framework left visible and the environment restored afterwards."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    saved = dict(os.environ)
+    os.environ.update({switch: "AUTO" for switch in FRAMEWORK_SWITCHES})
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     return module
 
 
 def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
     """Run a project script as a file, as a user would; returns the CompletedProcess."""
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**{k: v for k, v in os.environ.items() if k not in FRAMEWORK_SWITCHES}, **(env or {})}
     return subprocess.run([python, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
