@@ -45,9 +45,9 @@ SIZES = {
 }
 # name: (framework, precision, what)
 MODES = {
-    "flax": ("flax", "fp32", "jax.jit, donated state"),
-    "flax_bf16": ("flax", "bf16", "jax.jit, dtype=bfloat16 (fp32 params)"),
-    "flax_pmap": ("flax", "fp32", "jax.pmap over fake CPU devices"),
+    "flax": ("flax", "fp32", "jax.jit, donated state, LM head at masked positions"),
+    "flax_bf16": ("flax", "bf16", "as flax, dense layers bf16 x bf16 -> f32 (f32 model)"),
+    "flax_pmap": ("flax", "fp32", "as flax, jax.pmap over fake CPU devices"),
     "torch": ("pytorch", "fp32", "eager"),
     "torch_bf16": ("pytorch", "bf16", "eager, CPU autocast bfloat16"),
     "torch_compile": ("pytorch", "fp32", "torch.compile (inductor)"),
@@ -58,6 +58,7 @@ MODES = {
 }
 DEFAULT_MODES = [m for m in MODES if m != "flax_pmap"]
 LEARNING_RATE, WEIGHT_DECAY, BETAS, EPS = 5e-4, 0.01, (0.9, 0.999), 1e-8
+MLM_PROBABILITY = 0.15
 
 
 def fail(message):
@@ -125,9 +126,9 @@ def worker_flax(spec, batches):
     from transformers import FlaxAutoModelForMaskedLM
 
     mlm = load_script("flax/run_mlm_flax.py")
-    dtype = jnp.bfloat16 if spec["precision"] == "bf16" else jnp.float32
+    bf16 = spec["precision"] == "bf16"  # run_mlm_flax.py --dtype bfloat16: an f32 model with bf16 dense products
     # _do_init=False: the model object keeps no copy of the weights beside the train state's.
-    model, params = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), dtype=dtype, _do_init=False)
+    model, params = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), _do_init=False)
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
     schedule = mlm.create_learning_rate_fn(total, warmup, LEARNING_RATE)
@@ -138,11 +139,13 @@ def worker_flax(spec, batches):
 
     def train_step(state, batch, axis=None):
         def loss_fn(params):
-            logits = state.apply_fn(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], params=params, train=False)[0]
+            inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "masked_positions")}
+            logits = mlm.masked_lm_logits(state.apply_fn, inputs, params, model.config.vocab_size, bf16, train=False)
             loss, _, count = mlm.mlm_sums(logits, batch["labels"])
             return loss, count
 
-        (loss, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=mlm.save_all_but_transcendentals), has_aux=True)
+        (loss, count), grad = grad_fn(state.params)
         if axis:
             loss, count, grad = jax.lax.psum((loss, count, grad), axis)
         count = jnp.maximum(count, 1)
@@ -156,6 +159,7 @@ def worker_flax(spec, batches):
 
         def run(batch):
             nonlocal state
+            batch = mlm.gather_masked(batch, MLM_PROBABILITY)
             state, loss = step(state, {k: v.reshape((n, -1) + v.shape[1:]) for k, v in batch.items()})
             return float(loss[0])
         extra = {"devices": n}
@@ -164,7 +168,7 @@ def worker_flax(spec, batches):
 
         def run(batch):
             nonlocal state
-            state, loss = step(state, batch)
+            state, loss = step(state, mlm.gather_masked(batch, MLM_PROBABILITY))
             return float(loss)
         extra = {"devices": 1}
     times, losses = timed_loop(run, batches)
@@ -268,7 +272,8 @@ def matmul_worker(spec):
 
             dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
             x, y = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
-            f = jax.jit(jnp.matmul)
+            # bf16 x bf16 -> f32, the product flax_bf16 computes (XLA:CPU's bf16 -> bf16 product is slower than f32)
+            f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
             call = lambda f=f, x=x, y=y: f(x, y).block_until_ready()  # noqa: E731
         else:
             import tensorflow as tf
@@ -404,7 +409,7 @@ def prepare_data(work, args, size, bar):
         fail(f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch ({steps * batch_size}); "
              "raise --preprocess_lines or lower --steps")
     order = np.random.default_rng(args.seed).permutation(len(grouped))[: steps * batch_size]
-    collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=0.15)
+    collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=MLM_PROBABILITY)
     rng = np.random.default_rng(args.seed)
     columns = {k: [] for k in ("input_ids", "attention_mask", "labels")}
     for step in range(steps):
@@ -516,20 +521,22 @@ def write_outputs(out, report):
 
 def goals(rows, peaks):
     ok = {r["mode"]: r for r in rows if "step_ms" in r}
-    torch_modes = [r for r in ok.values() if r["framework"].startswith("pytorch")]
     out = []
-    flax = ok.get("flax")
     flax_best = min((r for r in ok.values() if r["framework"] == "flax"), key=lambda r: r["step_ms"], default=None)
-    if flax_best and torch_modes:
-        fastest = min(torch_modes, key=lambda r: r["step_ms"])
-        out.append(f"Flax speed vs the fastest PyTorch mode ({fastest['mode']}, {fastest['step_ms']:.1f} ms): best Flax mode "
-                   f"{flax_best['mode']} {flax_best['step_ms']:.1f} ms = {fastest['step_ms'] / flax_best['step_ms']:.2f}x (goal >= 1.0x)")
+    others = [r for r in ok.values() if r["framework"] != "flax"]
+    if flax_best and others:
+        fastest = min(others, key=lambda r: r["step_ms"])
+        out.append(f"Flax's fastest mode ({flax_best['mode']}, {flax_best['step_ms']:.1f} ms) vs the fastest other mode "
+                   f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {fastest['step_ms'] / flax_best['step_ms']:.2f}x as fast (goal >= 1.0x); "
+                   + ", ".join(f"{r['mode']} {r['step_ms'] / flax_best['step_ms']:.2f}x" for r in others))
         out.append(f"Flax ({flax_best['mode']}) vs the bf16 matmul peak ({peaks['bf16']:.0f} GFLOP/s): "
-                   f"{100 * flax_best['gflops'] / peaks['bf16']:.1f} % (goal >= 50 %)")
-        fastest_mem = fastest["peak_rss_mb"]
-        out.append(f"Flax peak RSS vs PyTorch's ({fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / {fastest_mem:,.0f} MB = "
-                   f"{flax_best['peak_rss_mb'] / fastest_mem:.2f}x (goal <= 1.0x)")
-    reference = ok.get("torch") or flax
+                   f"{100 * flax_best['gflops'] / peaks['bf16']:.1f} % (goal >= 60 %)")
+        torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
+        if torch_modes:
+            torch_fastest = min(torch_modes, key=lambda r: r["step_ms"])
+            out.append(f"Flax peak RSS vs PyTorch's fastest mode ({torch_fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / "
+                       f"{torch_fastest['peak_rss_mb']:,.0f} MB = {flax_best['peak_rss_mb'] / torch_fastest['peak_rss_mb']:.2f}x (goal <= 1.0x)")
+    reference = ok.get("torch") or ok.get("flax")
     if reference:
         worst = max(ok.values(), key=lambda r: abs(r["final_loss"] - reference["final_loss"]))
         out.append(f"Same work: loss after the last step differs from {reference['mode']}'s ({reference['final_loss']:.4f}) by at most "

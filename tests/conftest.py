@@ -11,6 +11,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ROBERTA = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
+TINY_GPT2 = "n_embd=64,n_layer=2,n_head=2"
+TINY_T5 = "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2"
+TINY_BART = ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
+             "encoder_ffn_dim=128,decoder_ffn_dim=128")
 
 
 # The scripts hide the frameworks they do not use from transformers (os.environ.setdefault("USE_TF", "0")
@@ -115,3 +119,18 @@ def eval_reloaded(args, trained_dir, output_dir):
 def tiny_model_dir(corpus, tmp_path_factory):
     """A 1000-token byte-level BPE tokenizer and a tiny RoBERTa config in one folder."""
     return make_model_dir(tmp_path_factory.mktemp("tiny"), corpus, "roberta", TINY_ROBERTA)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(corpus, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("gpt2"), corpus, "gpt2", TINY_GPT2, "--model_type", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def t5_dir(corpus, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("t5"), corpus, "t5", TINY_T5, "--tokenizer_type", "unigram")
+
+
+@pytest.fixture(scope="session")
+def bart_dir(corpus, tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("bart"), corpus, "bart", TINY_BART)

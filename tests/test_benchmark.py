@@ -45,7 +45,7 @@ def test_quick_writes_table_json_and_plot(quick, bench):
     assert [r["mode"] for r in report["modes"]] == bench.DEFAULT_MODES
     for row in report["modes"]:
         assert f"| {row['mode']} |" in table
-    assert any(line.startswith("Flax speed vs the fastest PyTorch mode") for line in report["goals"])
+    assert any(line.startswith("Flax's fastest mode") for line in report["goals"])
     assert report["matmul"]["peak"]["fp32"] > 0 and report["matmul"]["peak"]["bf16"] > 0
     groups = report["preprocessing"]["group"]
     assert set(groups) == {"group_texts (linear)", "sum(lists, []) (upstream)"}

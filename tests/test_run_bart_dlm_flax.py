@@ -7,17 +7,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, make_model_dir, run, script_args
+from conftest import TINY_BART, TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, run, script_args
 
 SCRIPT = "flax/run_bart_dlm_flax.py"
 bart = load_script(SCRIPT, "run_bart_dlm_flax")
-TINY_BART = ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
-             "encoder_ffn_dim=128,decoder_ffn_dim=128")
-
-
-@pytest.fixture(scope="module")
-def bart_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("bart"), corpus, "bart", TINY_BART)
 
 
 @pytest.fixture(scope="module")

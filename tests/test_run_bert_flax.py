@@ -27,3 +27,22 @@ def test_bad_input():
     assert "--seq_length" in error_line(run(["flax/run_bert_flax.py", "--seq_length", "0"]), "run_bert_flax.py")
     assert "positions" in error_line(run(["flax/run_bert_flax.py", "--seq_length", "1024", "--config_overrides", TINY]),
                                      "run_bert_flax.py")
+
+
+def test_bfloat16_outputs_close_to_float32():
+    """The bf16 path (bf16 weights and activations, dense layers as bf16 x bf16 -> f32 products) gives the
+    float32 model's hidden states within bf16's precision: relative error (Frobenius) below 2 %."""
+    import numpy as np
+
+    from conftest import load_script
+
+    bert = load_script("flax/run_bert_flax.py", "run_bert_flax")
+    outputs = {}
+    for precision in ("float32", "bfloat16"):
+        args = bert.BenchmarkArguments(precision=precision, config_overrides=TINY, seed=0)
+        model, params, config = bert.build_model(args)
+        ids = np.random.default_rng(0).integers(0, config.vocab_size, size=(4, 16)).astype(np.int32)
+        outputs[precision] = np.asarray(bert.make_forward(model, precision)(params, ids), dtype=np.float32)
+    exact, bf16 = outputs["float32"], outputs["bfloat16"]
+    assert np.isfinite(bf16).all()
+    assert np.linalg.norm(bf16 - exact) / np.linalg.norm(exact) < 0.02

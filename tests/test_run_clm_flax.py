@@ -6,15 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from conftest import TWO_DEVICES, bad_input, check_ok, load_script, logged_losses, make_model_dir, run, script_args
+from conftest import TWO_DEVICES, bad_input, check_ok, load_script, logged_losses, run, script_args
 
 SCRIPT = "flax/run_clm_flax.py"
 clm = load_script(SCRIPT, "run_clm_flax")
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("gpt2"), corpus, "gpt2", "n_embd=64,n_layer=2,n_head=2", "--model_type", "gpt2")
 
 
 def clm_args(model_dir, corpus, output_dir, *extra):

@@ -6,16 +6,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, make_model_dir, run, script_args
+from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, run, script_args
 
 SCRIPT = "flax/run_t5_mlm_flax.py"
 t5 = load_script(SCRIPT, "run_t5_mlm_flax")
-
-
-@pytest.fixture(scope="module")
-def t5_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("t5"), corpus, "t5",
-                          "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2", "--tokenizer_type", "unigram")
 
 
 def make_collator(tokenizer, length, density, span):

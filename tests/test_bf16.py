@@ -1,0 +1,167 @@
+"""--dtype bfloat16 in the four Flax training scripts and run_bert_flax.py: every dense product is a
+bf16 x bf16 -> f32 product, forward and backward; gradients and training match float32 within bf16's
+precision; checkpoints hold float32 weights. (Speed is measured in benchmarks/, never here.)"""
+
+import contextlib
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import check_ok, load_script, logged_losses, run, script_args
+
+# script: (model type, model-folder fixture, its sequence-length flag)
+TRAINING_SCRIPTS = {
+    "flax/run_mlm_flax.py": ("roberta", "tiny_model_dir", "--max_seq_length"),
+    "flax/run_clm_flax.py": ("gpt2", "gpt2_dir", "--block_size"),
+    "flax/run_t5_mlm_flax.py": ("t5", "t5_dir", "--max_seq_length"),
+    "flax/run_bart_dlm_flax.py": ("bart", "bart_dir", "--max_seq_length"),
+}
+# Largest relative gap allowed between a bf16 and an f32 run's per-step training losses, from the same
+# weights and batches over 8 steps: bf16 rounds the products' inputs to 8 significant bits (relative error
+# up to 2^-9); measured: up to 0.12 % (T5), 0.002 % (RoBERTa).
+LOSS_RTOL = 3e-3
+
+
+def dot_products(lowered_text):
+    """(has batch dimensions, operand element types, result element type) of every dot_general in
+    lowered StableHLO."""
+    found = []
+    for line in lowered_text.splitlines():
+        if "stablehlo.dot_general" not in line:
+            continue
+        types = re.search(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)", line)
+        element = [re.search(r"x?([a-z]+[0-9]+)>$", t).group(1) for t in types.groups()]
+        found.append(("batching_dims" in line, tuple(element[:2]), element[2]))
+    return found
+
+
+@pytest.mark.parametrize("path", [*TRAINING_SCRIPTS, "flax/run_bert_flax.py"])
+def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    script = load_script(path, "bf16_" + path.split("/")[-1][:-3])
+    layer = nn.Dense(48)
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 32))
+    params = layer.init(jax.random.PRNGKey(1), x)
+
+    def loss(params, x, bf16):
+        with nn.intercept_methods(script.bf16_dense) if bf16 else contextlib.nullcontext():
+            return jnp.sum(jnp.sin(layer.apply(params, x)))
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    exact = jax.tree_util.tree_leaves(grad(params, x, False))
+    bf16 = jax.tree_util.tree_leaves(grad(params, x, True))
+    for a, b in zip(exact, bf16, strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 1e-2  # bf16 rounding, accumulated in f32
+    products = dot_products(jax.jit(grad, static_argnums=2).lower(params, x, True).as_text())
+    assert len(products) == 3  # forward, and the two gradient products
+    assert all(p == (False, ("bf16", "bf16"), "f32") for p in products), products
+
+
+def model_loss_fn(path, model_dir):
+    """A tiny model from model_dir and a function (params, bf16) -> loss through the script's own logits path."""
+    import jax.numpy as jnp
+    import transformers
+
+    script = load_script(path, "bf16_model_" + path.split("/")[-1][:-3])
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 900, size=(2, 32)), dtype=jnp.int32)
+    if path.endswith("run_mlm_flax.py"):
+        model = transformers.FlaxAutoModelForMaskedLM.from_config(config)
+        labels = np.where(np.arange(32) % 5 == 0, np.asarray(ids), -100)
+        batch = script.gather_masked({"input_ids": ids, "labels": labels}, 0.15)
+        return model.params, lambda params, bf16: script.masked_lm_logits(
+            model.__call__, {k: v for k, v in batch.items() if k != "labels"}, params, config.vocab_size, bf16).sum()
+    if path.endswith("run_clm_flax.py"):
+        model, batch = transformers.FlaxAutoModelForCausalLM.from_config(config), {"input_ids": ids}
+    else:
+        model = transformers.FlaxAutoModelForSeq2SeqLM.from_config(config)
+        batch = {"input_ids": ids, "decoder_input_ids": ids[:, :8]}
+    return model.params, lambda params, bf16: script.model_logits(model.__call__, batch, params, bf16).sum()
+
+
+@pytest.mark.parametrize("path", TRAINING_SCRIPTS)
+def test_whole_model_dense_products_are_bf16(path, request):
+    """In the gradient of a whole model, every product without batch dimensions (the dense layers, GPT-2's
+    Conv1D, the tied LM head, and their gradients) is bf16 x bf16 -> f32; only the attention products,
+    which have batch dimensions, stay f32."""
+    import jax
+
+    params, loss = model_loss_fn(path, request.getfixturevalue(TRAINING_SCRIPTS[path][1]))
+    products = dot_products(jax.jit(jax.grad(loss), static_argnums=1).lower(params, True).as_text())
+    dense = [p for p in products if not p[0]]
+    assert len(dense) >= 3 * 8, products
+    assert all(p[1:] == (("bf16", "bf16"), "f32") for p in dense), products
+    assert all(p[1] == ("f32", "f32") for p in products if p[0])
+    assert all(p[1] == ("f32", "f32") for p in dot_products(jax.jit(jax.grad(loss), static_argnums=1).lower(params, False).as_text()))
+
+
+def test_lm_head_at_masked_positions_gives_the_full_head_loss(tiny_model_dir):
+    """run_mlm_flax.py scores the LM head only at the masked positions: same loss and gradients as the
+    head on every position."""
+    import jax
+    import jax.numpy as jnp
+    import transformers
+
+    mlm = load_script("flax/run_mlm_flax.py", "bf16_gather_run_mlm_flax")
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    model = transformers.FlaxAutoModelForMaskedLM.from_config(config)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 900, size=(4, 64)).astype(np.int32)
+    labels = np.where(rng.random((4, 64)) < 0.15, ids, -100)
+    labels[1, :40] = ids[1, :40]  # one row far above the expected count: K must grow to hold it
+    batch = mlm.gather_masked({"input_ids": ids, "labels": labels}, 0.15)
+    k = batch["labels"].shape[1]
+    assert k % 8 == 0 and k >= 40 and (batch["labels"] != -100).sum() == (labels != -100).sum()
+    assert (np.take_along_axis(labels, batch["masked_positions"], axis=1) == batch["labels"]).all()
+
+    def gathered(params):
+        logits = mlm.masked_lm_logits(model.__call__, {"input_ids": ids, "masked_positions": batch["masked_positions"]},
+                                      params, config.vocab_size, False)
+        assert logits.shape == (4, k, config.vocab_size)
+        loss, _, count = mlm.mlm_sums(logits, batch["labels"])
+        return loss / count
+
+    def full(params):
+        loss, _, count = mlm.mlm_sums(model(ids, params=params).logits, jnp.asarray(labels))
+        return loss / count
+
+    (a, ga), (b, gb) = jax.value_and_grad(gathered)(model.params), jax.value_and_grad(full)(model.params)
+    assert float(a) == pytest.approx(float(b), abs=1e-5)
+    for x, y in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", TRAINING_SCRIPTS)
+def test_bf16_training_follows_f32_and_saves_f32_weights(path, corpus, tmp_path, request):
+    model_type, fixture, length_flag = TRAINING_SCRIPTS[path]
+    model_dir = request.getfixturevalue(fixture)
+
+    def args(out, dtype, *extra):
+        return script_args(path, model_type, model_dir, corpus, out, length_flag, "32", "--dtype", dtype, *extra)
+
+    steps = ["--do_train", "--do_eval", "--per_device_train_batch_size", "8", "--max_steps", "8", "--logging_steps", "1",
+             "--learning_rate", "3e-3", "--warmup_steps", "2"]
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        result = check_ok(run(args(tmp_path / dtype, dtype, *steps)))
+        losses[dtype] = logged_losses(result.stdout + result.stderr)
+    assert len(losses["bfloat16"]) == len(losses["float32"]) == 8
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=LOSS_RTOL)
+    assert losses["bfloat16"][-1] < losses["bfloat16"][0]
+
+    import jax
+    from flax.serialization import msgpack_restore
+
+    weights = msgpack_restore((tmp_path / "bfloat16" / "flax_model.msgpack").read_bytes())
+    assert {str(w.dtype) for w in jax.tree_util.tree_leaves(weights)} == {"float32"}
+    # The checkpoint, reloaded with from_pretrained, evaluates exactly as the run that saved it.
+    reloaded = args(tmp_path / "reloaded", "bfloat16", "--do_eval", "--model_name_or_path", str(tmp_path / "bfloat16"))
+    check_ok(run(reloaded))
+    trained, again = (json.loads((tmp_path / d / "eval_results.json").read_text()) for d in ("bfloat16", "reloaded"))
+    assert again["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-5)
