@@ -410,11 +410,12 @@ def prepare_data(work, args, size, bar):
              "raise --preprocess_lines or lower --steps")
     order = np.random.default_rng(args.seed).permutation(len(grouped))[: steps * batch_size]
     collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=MLM_PROBABILITY)
-    rng = np.random.default_rng(args.seed)
     columns = {k: [] for k in ("input_ids", "attention_mask", "labels")}
     for step in range(steps):
-        rows = grouped.select(order[step * batch_size : (step + 1) * batch_size])
-        batch = collator({k: rows[k] for k in ("input_ids", "attention_mask", "special_tokens_mask")}, rng)
+        row_ids = order[step * batch_size : (step + 1) * batch_size]
+        rows = grouped.select(row_ids)
+        batch = collator({k: rows[k] for k in ("input_ids", "attention_mask", "special_tokens_mask")}, (args.seed,), row_ids,
+                         row_width=size["seq_len"])
         for k in columns:
             columns[k].append(batch[k].astype(np.int32))
     batches_path = work / f"batches-{args.size}.npz"

@@ -14,14 +14,33 @@ Sentences: upstream uses nltk.sent_tokenize, whose punkt model must be downloade
 `sentencex` (rule-based, its rules ship in the wheel, Norwegian included); --sentence_language picks
 the rules (default "en"; "nb" for the Norwegian corpus).
 
-Differences from upstream, all fixes (the same as run_mlm_flax.py where they apply): working defaults
-for --eval_steps and --max_seq_length; no training loop without --do_train; multi-host slices;
-evaluation over every example with each example's noise drawn from (seed, index); linear-time
-group_texts; hub names only when given; atomic checkpoints; tensorboardX; --max_steps.
-
-``--dtype bfloat16`` computes every dense layer, forward and backward, as a bf16 x bf16 product with f32
-accumulation on an f32 model: upstream's bf16 model dtype is slower than f32 on CPUs (see bf16_dense).
-The backward pass recomputes the activations' transcendental functions instead of storing them.
+Differences from upstream, all fixes or features named in README.md (the same as run_mlm_flax.py where
+they apply):
+- Durable runs: Orbax checkpoints `checkpoint-{step}` hold the whole train state (parameters, optimizer
+  state, step) and the data position, written atomically; `--save_total_limit` keeps the newest N;
+  `--resume_from_checkpoint [PATH]` continues a run exactly (bitwise, on the same device count). Data
+  order, noise and dropout keys derive from (seed, epoch, example) and (seed, step, device), so a resumed
+  run draws what the uninterrupted run drew.
+- A non-finite loss, gradient or parameter stops training with one line naming the step and the last
+  good checkpoint, and never reaches a checkpoint.
+- `--gradient_accumulation_steps N`: the update is the token-weighted mean over all N micro-batches
+  (sum of per-token losses over the target tokens of the global batch), as one batch of N times the
+  size would give.
+- Live throughput at every logging step (tokens/s, seconds per step, TFLOP/s as XLA counts the step,
+  MFU with `--peak_tflops`) and the first step's compile time. TensorBoard events under
+  `output_dir/runs/<date>_<host>` with the Trainer's tags; `train_results.json`, `eval_results.json` and
+  `all_results.json` with the Trainer's keys; `--report_to`, `--log_level`. Tokens are never printed.
+- `--dtype bfloat16` computes the dense layers as bf16 products with f32 accumulation on an f32 model
+  (upstream's bf16 model is slower than f32 on CPUs).
+- Each row is noised from (seed, epoch, example) alone (upstream draws over the whole batch), so the
+  noise is the same for any batch size, device count or accumulation; evaluation covers every example
+  with the same noise each time.
+- Multi-host: every process builds the same global batch and feeds its own slice; launch with
+  `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or under SLURM, Open MPI or on a TPU pod
+  slice, where `jax.distributed.initialize()` finds the cluster itself.
+- Working defaults for `--eval_steps` (every epoch) and `--max_seq_length`; no training loop without
+  `--do_train`; linear-time `group_texts`; `--max_steps` and fractional epochs; hub names are only
+  contacted when given and fail at once offline.
 
 Example (local files, see README.md):
   python flax/run_bart_dlm_flax.py --output_dir out/bart/run --model_type bart --config_name out/bart \
@@ -31,15 +50,19 @@ Example (local files, see README.md):
 """
 
 import contextlib
+import datetime
+import functools
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import socket
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from enum import Enum
+from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Optional
@@ -50,6 +73,7 @@ os.environ.setdefault("USE_TF", "0")
 
 import numpy as np
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import datasets
 from datasets import load_dataset
@@ -58,9 +82,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax import jax_utils, traverse_util
+import orbax.checkpoint as ocp
+from flax import traverse_util
 from flax.training import train_state
-from flax.training.common_utils import shard
 from jax import lax
 from transformers import (
     CONFIG_MAPPING,
@@ -74,17 +98,20 @@ from transformers import (
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("bart",)
+MODEL_TYPES = ('bart',)
 
+
+# --- arguments -------------------------------------------------------------------------------------------------
 
 @dataclass
 class TrainingArguments:
     output_dir: str = field(metadata={"help": "Where the model, checkpoints, logs and results are written."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty output_dir."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty output_dir (a training run then starts afresh)."})
     do_train: bool = field(default=False, metadata={"help": "Whether to run training."})
     do_eval: bool = field(default=False, metadata={"help": "Whether to run eval on the dev set."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Batch size per device for training."})
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Batch size per device for evaluation."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches accumulated into one update (the global batch is per_device x devices x this)."})
     learning_rate: float = field(default=5e-5, metadata={"help": "The initial learning rate for AdamW."})
     weight_decay: float = field(default=0.0, metadata={"help": "Weight decay for AdamW if we apply some."})
     adam_beta1: float = field(default=0.9, metadata={"help": "Beta1 for AdamW optimizer"})
@@ -95,27 +122,22 @@ class TrainingArguments:
     max_steps: int = field(default=-1, metadata={"help": "If > 0: total number of training steps; overrides num_train_epochs."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over warmup_steps."})
     logging_steps: int = field(default=500, metadata={"help": "Log every X updates steps."})
-    save_steps: int = field(default=500, metadata={"help": "Save checkpoint every X updates steps."})
+    save_steps: int = field(default=500, metadata={"help": "Save a checkpoint every X updates steps."})
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest N checkpoint-* folders."})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"nargs": "?", "const": "True", "help": "Continue from a checkpoint folder; without a value (or True), the last complete one in output_dir."})
     eval_steps: Optional[int] = field(default=None, metadata={"help": "Run an evaluation every X steps (default: every epoch)."})
     seed: int = field(default=42, metadata={"help": "Random seed that will be set at the beginning of training."})
+    report_to: str = field(default="tensorboard", metadata={"help": "tensorboard (events under output_dir/runs) or none."})
+    log_level: str = field(default="passive", metadata={"help": "debug, info, warning, error, critical, or passive (info)."})
+    peak_tflops: Optional[float] = field(default=None, metadata={"help": "The peak TFLOP/s of one device, to log the model FLOPs utilisation (MFU)."})
     push_to_hub: bool = field(default=False, metadata={"help": "Whether or not to upload the trained model to the model hub after training."})
     hub_model_id: str = field(default=None, metadata={"help": "The name of the repository to keep in sync with the local `output_dir`."})
-    hub_token: str = field(default=None, metadata={"help": "The token to use to push to the Model Hub."})
+    hub_token: str = field(default=None, repr=False, metadata={"help": "The token to use to push to the Model Hub."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Use gradient checkpointing to save memory at the expense of slower backward pass."})
 
     def __post_init__(self):
         if self.output_dir is not None:
             self.output_dir = os.path.expanduser(self.output_dir)
-
-    def to_dict(self):
-        """Serializes this instance, replacing Enums by their values and hiding tokens."""
-        d = asdict(self)
-        for k, v in d.items():
-            if isinstance(v, Enum):
-                d[k] = v.value
-            if k.endswith("_token"):
-                d[k] = f"<{k.upper()}>"
-        return d
 
 
 @dataclass
@@ -126,8 +148,8 @@ class ModelArguments:
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from s3"})
     use_fast_tokenizer: bool = field(default=True, metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."})
-    dtype: Optional[str] = field(default="float32", metadata={"help": "Floating-point format in which the model weights should be initialized and trained. Choose one of `[float32, float16, bfloat16]`."})
-    token: str = field(default=None, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
+    dtype: Optional[str] = field(default="float32", metadata={"help": "Floating-point format of the computation: float32, float16, or bfloat16 (bf16 products with f32 accumulation on an f32 model)."})
+    token: str = field(default=None, repr=False, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."})
 
 
@@ -148,6 +170,8 @@ class DataTrainingArguments:
     poisson_lambda: float = field(default=3.0, metadata={"help": "Mean of Poisson distribution used to generate span-lengths to be masked"})
     sentence_language: str = field(default="en", metadata={"help": "Language code of sentencex's splitting rules (e.g. en, nb)."})
 
+
+# --- checks ----------------------------------------------------------------------------------------------------
 
 def fail(message):
     """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
@@ -178,6 +202,23 @@ def check_hub_name(flag, name):
              "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
 
 
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def setup_logging(training_args):
+    level = {"passive": logging.INFO}.get(training_args.log_level, getattr(logging, training_args.log_level.upper(), None))
+    if not isinstance(level, int):
+        fail(f"--log_level must be one of debug, info, warning, error, critical, passive; got {training_args.log_level!r}")
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True)
+    datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
+    logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
+
+
 def validate_args(model_args, data_args, training_args):
     if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
         fail("need --dataset_name or --train_file/--validation_file")
@@ -202,28 +243,115 @@ def validate_args(model_args, data_args, training_args):
         fail(f"--permute_sentence_ratio must be in [0, 1], got {data_args.permute_sentence_ratio}")
     if data_args.poisson_lambda <= 0.0:
         fail(f"--poisson_lambda must be positive, got {data_args.poisson_lambda}")
-    if not training_args.do_train and not training_args.do_eval:
-        fail("nothing to do: pass --do_train and/or --do_eval")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "logging_steps", "save_steps"):
-        if getattr(training_args, flag) <= 0:
-            fail(f"--{flag} must be a positive integer, got {getattr(training_args, flag)}")
-    if training_args.eval_steps is not None and training_args.eval_steps <= 0:
-        fail(f"--eval_steps must be a positive integer, got {training_args.eval_steps}")
+    try:
+        from sentencex import segment
+
+        list(segment(data_args.sentence_language, "A test. Another one."))
+    except ImportError:
+        fail("the sentence splitter comes from the PyPI package 'sentencex': pip install -r requirements.txt")
+    validate_training_args(training_args)
     if model_args.dtype not in ("float32", "float16", "bfloat16"):
         fail(f"--dtype must be one of float32, float16, bfloat16, got {model_args.dtype!r}")
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
         fail(f"--model_type {model_args.model_type!r} is not bart: this script trains BART")
-    output_dir = training_args.output_dir
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and training_args.do_train and not training_args.overwrite_output_dir:
-        fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        fail(f"--output_dir {output_dir} exists and is not a directory")
-    if training_args.push_to_hub and not hub_reachable():
-        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
-             f"{output_dir} later")
     check_hub_name("--dataset_name", data_args.dataset_name)
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
+
+
+def validate_training_args(training_args):
+    if not training_args.do_train and not training_args.do_eval:
+        fail("nothing to do: pass --do_train and/or --do_eval")
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps",
+                 "save_steps", "eval_steps", "save_total_limit", "peak_tflops"):
+        value = getattr(training_args, flag)
+        if value is not None and value <= 0:
+            fail(f"--{flag} must be positive, got {value}")
+    if training_args.report_to not in ("tensorboard", "none", "all"):
+        fail(f"--report_to {training_args.report_to!r}: this script logs to tensorboard or none")
+    output_dir = training_args.output_dir
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(f"--output_dir {output_dir} exists and is not a directory")
+    if training_args.push_to_hub and not hub_reachable():
+        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload {output_dir} later")
+
+
+def init_distributed():
+    """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID when set, else wherever JAX finds the cluster itself (TPU pod
+    slices, SLURM, Open MPI). On one host JAX devices are first touched after preprocessing, so datasets'
+    worker processes fork before JAX starts threads."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        try:
+            jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+        except (KeyError, ValueError) as e:
+            fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
+        return
+    try:
+        jax.distributed.initialize()
+    except ValueError:  # no cluster found: a single process
+        pass
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+def load_raw_datasets(model_args, data_args):
+    split_pct = data_args.validation_split_percentage
+    common = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    if data_args.dataset_name is not None:
+        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
+    else:
+        data_files = {}
+        if data_args.train_file is not None:
+            data_files["train"] = data_args.train_file
+        if data_args.validation_file is not None:
+            data_files["validation"] = data_args.validation_file
+        extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
+        extension = "text" if extension == "txt" else extension
+        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+    try:
+        raw = load()
+        if "validation" not in raw.keys() and "train" in raw.keys():
+            raw["validation"] = load(split=f"train[:{split_pct}%]")
+            raw["train"] = load(split=f"train[{split_pct}%:]")
+    except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
+        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return raw
+
+
+def group_texts(examples, block_size):
+    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch
+    shorter than one block is kept whole), exactly as upstream but in linear time."""
+    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
+    total_length = len(concatenated[list(examples.keys())[0]])
+    if total_length >= block_size:
+        total_length = (total_length // block_size) * block_size
+    return {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
+
+
+def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
+    """Split each text into sentences joined by the pad token (the sentence ends that permutation shuffles)
+    and wrapped in <s> ... </s>; tokenize without adding more special tokens; pack into full blocks."""
+    from sentencex import segment
+
+    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
+    text_column_name = "text" if "text" in column_names else column_names[0]
+    map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+
+    def join_sentences(text):
+        sentences = [x.strip() for x in segment(data_args.sentence_language, text) if x.strip()]
+        return {text_column_name: tokenizer.bos_token + tokenizer.pad_token.join(sentences) + tokenizer.eos_token}
+
+    split = raw_datasets.map(join_sentences, input_columns=[text_column_name], desc="Splitting sentences", **map_kwargs)
+    tokenized = split.map(lambda texts: tokenizer(texts, add_special_tokens=False, return_attention_mask=False),
+                          input_columns=[text_column_name], batched=True, remove_columns=column_names,
+                          desc="Running tokenizer on dataset", **map_kwargs)
+    lm_datasets = tokenized.map(group_texts, batched=True, fn_kwargs={"block_size": max_seq_length},
+                                desc=f"Grouping texts in chunks of {max_seq_length}", **map_kwargs)
+    for name in list(lm_datasets):  # a batch shorter than one block is kept whole by group_texts: drop it
+        lm_datasets[name] = lm_datasets[name].filter(lambda ids: len(ids) == max_seq_length, input_columns="input_ids")
+    return lm_datasets
 
 
 def shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id):
@@ -245,13 +373,15 @@ class FlaxDataCollatorForBartDenoisingLM:
     poisson_lambda: float = 3.0
     permute_sentence_ratio: float = 1.0
 
-    def __call__(self, examples, rng, row_ids=None):
-        """`rng`: a numpy Generator for the whole batch; or, with `row_ids`, an integer seed, each row
-        then noised from (seed, row id) alone."""
+    def __call__(self, examples, seed, row_ids):
+        """Each row is noised from (*seed, row id) alone: the same whatever batch, device count or
+        accumulation step the row falls in."""
         input_ids = np.asarray(examples["input_ids"], dtype=np.int64)
-        if row_ids is not None:
-            rows = [self(dict(input_ids=input_ids[k : k + 1]), np.random.default_rng([rng, int(i)])) for k, i in enumerate(row_ids)]
-            return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        rows = [self.noise(input_ids[k : k + 1], np.random.default_rng([*seed, int(i)])) for k, i in enumerate(row_ids)]
+        return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+
+    def noise(self, input_ids, rng):
+        """Permute and infill the rows of `input_ids` with draws from the numpy Generator `rng`."""
         pad = self.tokenizer.pad_token_id
         labels = input_ids.copy()
         batch = {"decoder_input_ids": shift_tokens_right(labels, pad, self.decoder_start_token_id)}
@@ -322,7 +452,180 @@ class FlaxDataCollatorForBartDenoisingLM:
         return new_input_ids, mask
 
 
-# --- --dtype bfloat16 ---------------------------------------------------------------------------------
+def collate_batch(examples, seed, row_ids, num_rows, collator, pad_token_id):
+    """The model's batch for rows `row_ids` of a dataset: permuted and infilled, extended to `num_rows` with rows that
+    carry no label (so every device gets a full batch)."""
+    batch = collator(examples, seed, row_ids)
+    extra = num_rows - len(row_ids)
+    if extra:
+        fill = {"input_ids": pad_token_id, "decoder_input_ids": pad_token_id, "labels": -100}  # attention masks 0
+        batch = {k: np.concatenate([v, np.full((extra,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)]) for k, v in batch.items()}
+    return batch
+
+
+def generate_batch_splits(samples_idx, batch_size, drop_last=True):
+    num_samples = len(samples_idx)
+    if drop_last:
+        samples_to_remove = num_samples % batch_size
+        if samples_to_remove != 0:
+            samples_idx = samples_idx[:-samples_to_remove]
+        sections_split = num_samples // batch_size
+        return np.split(samples_idx, sections_split) if sections_split else []
+    sections_split = math.ceil(num_samples / batch_size)
+    return np.array_split(samples_idx, sections_split)
+
+
+def epoch_batches(num_examples, batch_size, seed, epoch):
+    """The example indices of every full batch of an epoch: a permutation drawn from (seed, epoch) alone."""
+    return generate_batch_splits(np.random.default_rng([seed, epoch]).permutation(num_examples), batch_size)
+
+
+# --- model and optimizer ---------------------------------------------------------------------------------------
+
+def load_config_and_tokenizer(model_args):
+    hub_kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
+    try:
+        if model_args.config_name:
+            config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
+        elif model_args.model_name_or_path:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs)
+        elif model_args.model_type:
+            config = CONFIG_MAPPING[model_args.model_type]()
+            logger.warning("You are instantiating a new config instance from scratch.")
+        else:
+            fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
+        tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+        if tokenizer_source is None:
+            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
+                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+    if config.model_type not in MODEL_TYPES:
+        fail(f"config model_type {config.model_type!r} is not bart: this script trains BART")
+    if config.vocab_size < len(tokenizer):
+        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+    for name in ("bos", "eos", "pad", "mask"):
+        if getattr(tokenizer, f"{name}_token") is None:
+            fail(f"tokenizer {tokenizer_source!r} has no {name} token, which BART denoising needs")
+    return config, tokenizer
+
+
+def resolve_max_seq_length(data_args, config, tokenizer):
+    """The block length: the tokenizer's limit and the model's positions both bound it."""
+    model_positions = config.max_position_embeddings
+    if data_args.max_seq_length is None:
+        max_seq_length = min(tokenizer.model_max_length, model_positions)
+    else:
+        max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
+    if max_seq_length > model_positions:
+        fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
+    if max_seq_length < 4:
+        fail(f"--max_seq_length must be at least 4, got {max_seq_length}")
+    return max_seq_length
+
+@dataclass
+class TrainingPlan:
+    """Devices, batch sizes and step counts, settled before any long work starts."""
+
+    num_devices: int
+    local_devices: int
+    process_index: int
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+    gradient_accumulation_steps: int
+    num_train_examples: int = 0
+    steps_per_epoch: int = 0
+    total_steps: int = 0
+
+    @property
+    def train_batch_size(self):
+        return self.per_device_train_batch_size * self.num_devices * self.gradient_accumulation_steps
+
+    @property
+    def eval_batch_size(self):
+        return self.per_device_eval_batch_size * self.num_devices
+
+    @property
+    def num_epochs(self):
+        return math.ceil(self.total_steps / self.steps_per_epoch) if self.steps_per_epoch else 0
+
+
+def plan_training(training_args, dataset, max_seq_length):
+    plan = TrainingPlan(jax.device_count(), jax.local_device_count(), jax.process_index(), training_args.per_device_train_batch_size,
+                        training_args.per_device_eval_batch_size, training_args.gradient_accumulation_steps)
+    if training_args.do_train:
+        plan.num_train_examples = len(dataset["train"])
+        plan.steps_per_epoch = plan.num_train_examples // plan.train_batch_size
+        if plan.steps_per_epoch == 0:
+            fail(f"the train set has {plan.num_train_examples} blocks of {max_seq_length} tokens, fewer than one "
+                 f"global batch of {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
+                 f"devices x {plan.gradient_accumulation_steps} accumulation steps); use more text or a smaller "
+                 "--per_device_train_batch_size/--gradient_accumulation_steps/--max_seq_length")
+        if training_args.max_steps > 0:
+            plan.total_steps = training_args.max_steps
+        else:
+            plan.total_steps = int(plan.steps_per_epoch * training_args.num_train_epochs)
+        if plan.total_steps <= 0:
+            fail(f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch")
+    if training_args.do_eval and len(dataset["validation"]) == 0:
+        fail("the validation set is empty after tokenization; give a longer --validation_file")
+    return plan
+
+
+def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
+    """Linear warm-up from 0 to learning_rate, then linear decay to 0 at num_train_steps."""
+    warmup_fn = optax.linear_schedule(init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1))
+    decay_fn = optax.linear_schedule(init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1))
+    return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
+
+
+def decay_mask_fn(params):
+    """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
+    flat_params = traverse_util.flatten_dict(params)
+    layer_norm_candidates = ["layernorm", "layer_norm", "ln"]
+    layer_norm_named_params = {
+        layer[-2:] for name in layer_norm_candidates for layer in flat_params.keys() if name in "".join(layer).lower()
+    }
+    flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
+    return traverse_util.unflatten_dict(flat_mask)
+
+
+def build_train_state(model_args, training_args, config, plan, abstract=False):
+    """The model and its train state (parameters, optimizer state, step) on the host, with the learning-rate
+    schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into.
+    --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is
+    upstream's model dtype."""
+    dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
+    # _do_init=False: the model object keeps no copy of the weights beside the train state's (at
+    # roberta-base size that copy cost ~0.35 GB of peak memory, measured with benchmarks/run_benchmark.py).
+    if model_args.model_name_or_path and not abstract:
+        try:
+            model, params = FlaxBartForConditionalGeneration.from_pretrained(
+                model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, _do_init=False,
+                cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
+        except (OSError, ValueError) as e:
+            fail(f"cannot load the model {model_args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+    else:
+        model = FlaxBartForConditionalGeneration(config, seed=training_args.seed, dtype=dtype, _do_init=False)
+        init = functools.partial(model.init_weights, model.key, model.input_shape)
+        params = jax.eval_shape(init) if abstract else init()
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    schedule = create_learning_rate_fn(max(plan.total_steps, 1), training_args.warmup_steps, training_args.learning_rate)
+    if training_args.adafactor:
+        # Upstream's choice: Adafactor with the same schedule, no decay mask.
+        optimizer = optax.adafactor(learning_rate=schedule)
+    else:
+        optimizer = optax.adamw(learning_rate=schedule, b1=training_args.adam_beta1, b2=training_args.adam_beta2,
+                                eps=training_args.adam_epsilon, weight_decay=training_args.weight_decay, mask=decay_mask_fn)
+    create = functools.partial(train_state.TrainState.create, apply_fn=model.__call__, tx=optimizer)
+    state = jax.eval_shape(create, params=params) if abstract else create(params=params)
+    return model, state, schedule
+
+
+# --- --dtype bfloat16 ------------------------------------------------------------------------------------------
 # XLA:CPU computes a bf16 x bf16 -> bf16 product by converting it to f32 (slower than f32 itself), but
 # a bf16 x bf16 product with an f32 result takes a bf16 kernel 2-4x as fast as f32 on CPUs with BF16 units
 # (4096^2, GFLOP/s: 635-661 vs 311-357 on AVX-512 BF16, 1,121 vs 300 with AMX). Upstream's --dtype bfloat16 (the model's dtype)
@@ -369,13 +672,7 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
-def model_logits(apply_fn, batch, params, bf16, **kwargs):
-    """The model's logits, with --dtype bfloat16 under bf16_dense."""
-    with nn.intercept_methods(bf16_dense) if bf16 else contextlib.nullcontext():
-        return apply_fn(**batch, params=params, **kwargs)[0]
-
-
-# --- memory --------------------------------------------------------------------------------------------
+# --- memory ----------------------------------------------------------------------------------------------------
 # Autodiff keeps the outputs of the activations' transcendental functions for the backward pass (GELU's
 # erfc, softmax's exp): at roberta-base, 0.4 GB of the step's peak memory. Recomputing them there costs a
 # few elementwise passes: measured no slower, and 0.35 GB (9 %) less peak memory (benchmarks/README.md).
@@ -384,14 +681,15 @@ def save_all_but_transcendentals(primitive, *_, **__):
     return primitive.name not in ("erf", "erfc", "exp", "tanh", "logistic")
 
 
-def group_texts(examples, block_size):
-    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch
-    shorter than one block is kept whole), exactly as upstream but in linear time."""
-    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
-    total_length = len(concatenated[list(examples.keys())[0]])
-    if total_length >= block_size:
-        total_length = (total_length // block_size) * block_size
-    return {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
+def model_logits(apply_fn, batch, params, bf16, **kwargs):
+    """The model's logits, with --dtype bfloat16 under bf16_dense."""
+    with nn.intercept_methods(bf16_dense) if bf16 else contextlib.nullcontext():
+        return apply_fn(**batch, params=params, **kwargs)[0]
+
+
+# --- steps -----------------------------------------------------------------------------------------------------
+
+SCORED_TOKENS = "target_tokens"  # what the loss is averaged over, in the results' key names
 
 
 def seq2seq_sums(logits, labels):
@@ -402,35 +700,59 @@ def seq2seq_sums(logits, labels):
     accuracy = (jnp.argmax(logits, axis=-1) == labels) * mask
     return loss.sum(), accuracy.sum(), mask.sum()
 
+def make_train_step(model, config, schedule, bf16, seed):
+    """The train step, compiled once for all local devices. Its batch holds one row of micro-batches per
+    device (--gradient_accumulation_steps); the update follows the summed loss over every micro-batch
+    of every device, divided by the number of target tokens in the whole global batch ("the true
+    loss"), which is what one batch of that size gives."""
+    base_key = jax.random.PRNGKey(seed)
 
-def generate_batch_splits(samples_idx, batch_size, drop_last=True):
-    num_samples = len(samples_idx)
-    if drop_last:
-        samples_to_remove = num_samples % batch_size
-        if samples_to_remove != 0:
-            samples_idx = samples_idx[:-samples_to_remove]
-        sections_split = num_samples // batch_size
-        return np.split(samples_idx, sections_split) if sections_split else []
-    sections_split = math.ceil(num_samples / batch_size)
-    return np.array_split(samples_idx, sections_split)
+    def loss_fn(params, batch, dropout_rng):
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        logits = model_logits(model.__call__, batch, params, bf16, dropout_rng=dropout_rng, train=True)
+        loss, _, count = seq2seq_sums(logits, labels)
+        return loss, count
+
+    grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=save_all_but_transcendentals), has_aux=True)
+
+    def train_step(state, batch):
+        # Dropout keys from (seed, step, device, micro-batch): a resumed run draws what an uninterrupted one drew.
+        step_key = jax.random.fold_in(jax.random.fold_in(base_key, state.step), lax.axis_index("batch"))
+
+        def micro_step(totals, micro):
+            index, micro_batch = micro
+            (loss, count), grad = grad_fn(state.params, micro_batch, jax.random.fold_in(step_key, index))
+            return jax.tree_util.tree_map(jnp.add, totals, (loss, count, grad)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jax.tree_util.tree_map(jnp.zeros_like, state.params))
+        micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        (loss, count, grad), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
+        count = jnp.maximum(lax.psum(count, "batch"), 1)
+        grad = jax.tree_util.tree_map(lambda g: lax.psum(g, "batch") / count, grad)
+        metrics = {"loss": lax.psum(loss, "batch") / count, "learning_rate": schedule(state.step), "grad_norm": optax.global_norm(grad)}
+        return state.apply_gradients(grads=grad), metrics
+
+    return jax.pmap(train_step, "batch", donate_argnums=(0,))
 
 
-def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
-    """Linear warm-up from 0 to learning_rate, then linear decay to 0 at num_train_steps."""
-    warmup_fn = optax.linear_schedule(init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1))
-    decay_fn = optax.linear_schedule(init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1))
-    return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
+def make_eval_step(model, config, bf16):
+    def eval_step(params, batch):
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        logits = model_logits(model.__call__, batch, params, bf16, train=False)
+        loss, accuracy, count = seq2seq_sums(logits, labels)
+        return lax.psum({"loss": loss, "accuracy": accuracy, "count": count}, "batch")
+
+    return jax.pmap(eval_step, "batch")
 
 
-def decay_mask_fn(params):
-    """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
-    flat_params = traverse_util.flatten_dict(params)
-    layer_norm_candidates = ["layernorm", "layer_norm", "ln"]
-    layer_norm_named_params = {
-        layer[-2:] for name in layer_norm_candidates for layer in flat_params.keys() if name in "".join(layer).lower()
-    }
-    flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
-    return traverse_util.unflatten_dict(flat_mask)
+# --- loop ------------------------------------------------------------------------------------------------------
+
+def replicate(tree, local_devices):
+    """One copy per local device, placed by a pmap so that it carries the train step's own sharding
+    (placed otherwise, the step compiles a second time)."""
+    return jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (local_devices, *np.shape(x))), tree))
 
 
 def unreplicate(tree):
@@ -439,391 +761,409 @@ def unreplicate(tree):
     return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
 
-def dummy_rows(batch, num_rows, pad_token_id):
-    """Extend a collated batch with rows whose labels are -100 (no loss), so every device gets a full batch."""
-    if num_rows == 0:
-        return batch
-    fill = {"input_ids": pad_token_id, "decoder_input_ids": pad_token_id, "labels": -100}  # attention masks 0
-    return {
-        k: np.concatenate([v, np.full((num_rows,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)]) for k, v in batch.items()
-    }
+def device_batch(batch, plan, micro_batches=None):
+    """This process's rows of a global batch (every process collates the same one), shaped
+    [local devices, (micro-batches,) rows, ...]."""
+    groups = (plan.local_devices,) if micro_batches is None else (plan.local_devices, micro_batches)
+    rows = len(batch["input_ids"]) // jax.process_count()
+    start = plan.process_index * rows
+    return {k: v[start : start + rows].reshape(*groups, -1, *v.shape[1:]) for k, v in batch.items()}
 
 
-def save_checkpoint(model, params, tokenizer, output_dir, step):
-    """Write model + tokenizer into output_dir atomically, file by file: a crash mid-save leaves
-    the previous checkpoint readable."""
-    tmp_dir = os.path.join(output_dir, f".tmp-checkpoint-{step}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+@dataclass
+class TrainingProgress:
+    """Where training stands; saved in every checkpoint, so that a resumed run continues exactly."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # the next batch of `epoch` to train on
+    log_window: list = field(default_factory=list)  # losses of the steps since the last log line
+    last_checkpoint: Optional[str] = None
+
+
+def stop_diverged(step, what, progress):
+    last = f"the last good checkpoint is {progress.last_checkpoint}" if progress.last_checkpoint else "no checkpoint was written"
+    fail(f"step {step}: {what}; training stopped and nothing from this step on was saved; {last}. Lower --learning_rate or "
+         "raise --warmup_steps, then resume with --resume_from_checkpoint")
+
+
+def fetch_metrics(pending, progress):
+    """Bring the steps' metrics to the host, in order; stop at the first non-finite loss or gradient, before
+    it can reach a checkpoint."""
+    fetched = []
+    for step, metrics in pending:
+        metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            stop_diverged(step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress)
+        fetched.append(metrics)
+    pending.clear()
+    progress.log_window.extend(m["loss"] for m in fetched)
+    return fetched
+
+
+class Window:
+    """Wall time, steps and tokens since the last log line, with evaluation and checkpointing left out."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.start, self.excluded, self.steps, self.tokens = time.perf_counter(), 0.0, 0, 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        yield
+        self.excluded += time.perf_counter() - start
+
+    @property
+    def seconds(self):
+        return time.perf_counter() - self.start - self.excluded
+
+
+def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, writer):
+    """One line and TensorBoard scalars: the mean loss since the last line, and the throughput of the steps
+    timed since then (none when the only one was the first, which compiles)."""
+    loss, progress.log_window = float(np.mean(progress.log_window)), []
+    scalars = {"loss": loss, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"],
+               "epoch": progress.global_step / plan.steps_per_epoch}
+    line = (f"Step {progress.global_step}/{plan.total_steps} (epoch {scalars['epoch']:.2f}) | loss {loss:.4f} | lr {metrics['learning_rate']:.3e} "
+            f"| grad norm {metrics['grad_norm']:.3f}")
+    if window.steps:
+        seconds = window.seconds / window.steps
+        scalars.update(tokens_per_second=window.tokens / window.seconds, seconds_per_step=seconds)
+        line += f" | {scalars['tokens_per_second']:,.0f} tokens/s | {seconds:.3f} s/step"
+    if window.steps and flops_per_step:
+        scalars["tflops"] = flops_per_step / seconds / 1e12
+        line += f" | {scalars['tflops']:.3f} TFLOP/s"
+        if peak_tflops:
+            scalars["mfu"] = scalars["tflops"] / (peak_tflops * plan.num_devices)
+            line += f" | MFU {100 * scalars['mfu']:.1f} %"
+    tqdm.write(line)
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(f"train/{name}", value, progress.global_step)
+    window.reset()
+    return loss
+
+
+def log_eval(metrics, step, writer):
+    logger.info(f"Step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.4f}, "
+                f"perplexity {metrics['eval_perplexity']:.2f}")
+    if writer is not None:
+        for name in ("loss", "accuracy", "perplexity"):
+            writer.add_scalar(f"eval/{name}", metrics[f"eval_{name}"], step)
+
+
+def step_flops(train_step, state, batch):
+    """FLOPs of one train step on one device, as XLA counts them (forward, backward and optimizer), or None."""
+    try:
+        return float(train_step.lower(state, batch).cost_analysis()["flops"])
+    except Exception:  # noqa: BLE001 - some backends count nothing; throughput is then logged without FLOPs
+        return None
+
+
+def train(state, train_step, dataset, make_batch, plan, training_args, progress, evaluate_fn, save_fn, writer):
+    """Train the replicated `state` from `progress` to plan.total_steps, logging, evaluating and checkpointing on
+    the way. Returns the parameters, the Trainer's train metrics and the last evaluation as (step, metrics)."""
+    logger.info(f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
+                f"  Global batch size = {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
+                f"devices x {plan.gradient_accumulation_steps} accumulation steps)\n  Total optimization steps = {plan.total_steps}"
+                + (f"\n  Resuming at step {progress.global_step} from {progress.last_checkpoint}" if progress.global_step else ""))
+    first_step, started, pending, window, losses, tokens, flops, last_eval = progress.global_step, time.perf_counter(), [], Window(), [], 0, None, None
+    # A context manager: the bar is closed before an error line, which then stands alone at the end.
+    with tqdm(total=plan.total_steps, initial=first_step, desc="Training", disable=plan.process_index != 0, dynamic_ncols=True) as bar:
+        for epoch in range(progress.epoch, plan.num_epochs):
+            batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, training_args.seed, epoch)
+            for index in range(progress.batch_in_epoch, len(batches)):
+                if progress.global_step >= plan.total_steps:
+                    break
+                rows = np.sort(batches[index])
+                batch = make_batch(dataset[rows], (training_args.seed, epoch), rows, len(rows))
+                window.tokens, window.steps = window.tokens + batch["input_ids"].size, window.steps + 1
+                tokens += batch["input_ids"].size
+                batch = device_batch(batch, plan, plan.gradient_accumulation_steps)
+                if progress.global_step == first_step:
+                    flops = step_flops(train_step, state, batch)
+                    compile_start = time.perf_counter()
+                    state, metrics = train_step(state, batch)
+                    jax.block_until_ready(metrics)
+                    logger.info(f"First step (compilation included): {time.perf_counter() - compile_start:.1f} s")
+                    window.reset()
+                else:
+                    state, metrics = train_step(state, batch)
+                progress.global_step += 1
+                progress.epoch, progress.batch_in_epoch = (epoch, index + 1) if index + 1 < len(batches) else (epoch + 1, 0)
+                pending.append((progress.global_step, metrics))
+                bar.update(1)
+                step, last = progress.global_step, progress.global_step == plan.total_steps
+                if step % training_args.logging_steps == 0 or last:
+                    fetched = fetch_metrics(pending, progress)
+                    losses.extend(m["loss"] for m in fetched)
+                    log_training(progress, fetched[-1], plan, window, flops and flops * plan.num_devices, training_args.peak_tflops, writer)
+                due = step % training_args.eval_steps == 0 if training_args.eval_steps else index == len(batches) - 1 or last
+                if evaluate_fn is not None and due:
+                    with window.paused():
+                        last_eval = (step, evaluate_fn(state.params))
+                    log_eval(last_eval[1], step, writer)
+                if step % training_args.save_steps == 0 or last:
+                    with window.paused():
+                        losses.extend(m["loss"] for m in fetch_metrics(pending, progress))
+                        progress.last_checkpoint = save_fn(state, progress)
+    runtime, steps = time.perf_counter() - started, progress.global_step - first_step
+    metrics = {"train_loss": float(np.mean(losses)) if losses else float("nan"), "train_runtime": runtime,
+               "train_samples_per_second": steps * plan.train_batch_size / runtime, "train_steps_per_second": steps / runtime,
+               "train_tokens_per_second": tokens / runtime, "epoch": progress.global_step / plan.steps_per_epoch,
+               "global_step": progress.global_step, "train_samples": plan.num_train_examples, "global_batch_size": plan.train_batch_size,
+               "num_devices": plan.num_devices, "total_flos": flops * plan.num_devices * steps if flops else None}
+    logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
+    return state.params, metrics, last_eval
+
+
+def evaluate(params, eval_step, dataset, make_batch, plan, seed):
+    """Loss, accuracy and perplexity over every example of `dataset`, with each example's noise drawn from
+    (seed, index): the same at every evaluation, whatever the batch size or device count."""
+    started, sums = time.perf_counter(), {"loss": 0.0, "accuracy": 0.0, "count": 0.0}
+    batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
+    for rows in tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0):
+        batch = make_batch(dataset[rows], (seed,), rows, plan.eval_batch_size)
+        metrics = unreplicate(eval_step(params, device_batch(batch, plan)))
+        for k in sums:
+            sums[k] += float(metrics[k])
+    runtime, count = time.perf_counter() - started, max(sums["count"], 1.0)
+    loss = sums["loss"] / count
+    return {"eval_loss": loss, "eval_accuracy": sums["accuracy"] / count, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            f"eval_{SCORED_TOKENS}": int(sums["count"]), "eval_samples": len(dataset), "eval_runtime": runtime,
+            "eval_samples_per_second": len(dataset) / runtime, "eval_steps_per_second": len(batches) / runtime}
+
+
+# --- durability and results ------------------------------------------------------------------------------------
+
+def list_checkpoints(output_dir):
+    """(complete, incomplete) checkpoints in output_dir: complete ones as (step, path), oldest first. Orbax writes
+    each into a temporary folder renamed when complete; a killed run can leave one behind."""
+    complete, incomplete = [], []
+    for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
+        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+        if match and ocp.utils.is_checkpoint_finalized(path) and (path / "trainer_state").is_dir():
+            complete.append((int(match.group(1)), str(path)))
+        elif not ocp.utils.is_checkpoint_finalized(path):
+            incomplete.append(str(path))
+    return sorted(complete), incomplete
+
+
+def find_checkpoint(training_args):
+    """The checkpoint to resume from, with the Trainer's conventions, or None; refuses, before any long work,
+    to train into an output_dir that holds another run's files."""
+    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    complete, incomplete = list_checkpoints(output_dir)
+    for path in incomplete:
+        logger.warning(f"skipping {path}: an incomplete checkpoint (a run was stopped while writing it)")
+    if resume is not None and resume.lower() != "false":
+        if not training_args.do_train:
+            fail("--resume_from_checkpoint needs --do_train")
+        if resume.lower() != "true":
+            if not (os.path.isdir(os.path.join(resume, "trainer_state")) and ocp.utils.is_checkpoint_finalized(resume)):
+                fail(f"--resume_from_checkpoint {resume} is not a complete checkpoint-N folder written by this script")
+            return resume
+        if not complete:
+            fail(f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh")
+        return complete[-1][1]
+    if training_args.do_train and os.path.isdir(output_dir) and os.listdir(output_dir) and not training_args.overwrite_output_dir:
+        if complete:
+            fail(f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
+                 "or --overwrite_output_dir to start afresh")
+        fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    return None
+
+
+def clear_checkpoints(output_dir, fresh_start):
+    """Remove incomplete checkpoints (they can never be completed) and, for a fresh run into a used output_dir
+    (--overwrite_output_dir), the earlier run's checkpoints too, so that no later resume can pick one."""
+    complete, incomplete = list_checkpoints(output_dir)
+    for path in incomplete + ([path for _, path in complete] if fresh_start else []):
+        logger.warning(f"removing {path} (incomplete)" if path in incomplete else f"--overwrite_output_dir: removing {path} of an earlier run")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_pretrained(model, params, tokenizer, output_dir):
+    """The model and tokenizer in from_pretrained form, written into output_dir file by file through a
+    temporary folder of this run's own, so that a crash mid-save leaves the previous files readable."""
+    tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
     model.save_pretrained(tmp_dir, params=params)
     tokenizer.save_pretrained(tmp_dir)
-    with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
-        json.dump({"global_step": step}, f)
     for name in os.listdir(tmp_dir):
         os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
     os.rmdir(tmp_dir)
 
 
-def write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=4, sort_keys=True)
-    os.replace(tmp, path)
+def checkpoint_handler():
+    """A checkpoint-N folder holds two Orbax items: the train state and the training progress (JSON)."""
+    return ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler(), trainer_state=ocp.JsonCheckpointHandler())
 
 
-def load_raw_datasets(model_args, data_args):
-    split_pct = data_args.validation_split_percentage
-    common = dict(cache_dir=model_args.cache_dir, token=model_args.token)
-    if data_args.dataset_name is not None:
-        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
-    else:
-        data_files = {}
-        if data_args.train_file is not None:
-            data_files["train"] = data_args.train_file
-        if data_args.validation_file is not None:
-            data_files["validation"] = data_args.validation_file
-        extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
-        extension = "text" if extension == "txt" else extension
-        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
-    try:
-        raw = load()
-        if "validation" not in raw.keys() and "train" in raw.keys():
-            raw["validation"] = load(split=f"train[:{split_pct}%]")
-            raw["train"] = load(split=f"train[{split_pct}%:]")
-    except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
-        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
-        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    return raw
+def save_checkpoint(state, progress, output_dir, model, tokenizer, save_total_limit, hub, plan, seed):
+    """checkpoint-{step}: the train state and the data position as one Orbax checkpoint, written into a temporary
+    folder and renamed when complete; then the model in from_pretrained form in output_dir, the oldest
+    checkpoints beyond --save_total_limit removed, and the hub repository updated. Returns its path."""
+    host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+    if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
+        stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
+    path = os.path.join(output_dir, f"checkpoint-{progress.global_step}")
+    trainer_state = {**{k: v for k, v in vars(progress).items() if k != "last_checkpoint"}, "seed": seed,
+                     "train_batch_size": plan.train_batch_size, "num_devices": plan.num_devices}
+    with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.Composite(state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)),
+                          force=True)
+    if jax.process_index() == 0:
+        save_pretrained(model, host_state["params"], tokenizer, output_dir)
+        for _, old in list_checkpoints(output_dir)[0][: -save_total_limit if save_total_limit else 0]:
+            shutil.rmtree(old, ignore_errors=True)
+        if hub is not None:
+            api, repo_id, token = hub
+            api.upload_folder(commit_message=f"Saving weights and logs of step {progress.global_step}", folder_path=output_dir,
+                              repo_id=repo_id, repo_type="model", token=token)
+    return path
 
 
-def main():
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses()
-
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, datefmt="[%X]")
-    validate_args(model_args, data_args, training_args)
-
-    # Multi-host: join the other processes before any JAX computation. On one host, JAX devices are
-    # first touched after preprocessing, so datasets' worker processes fork before JAX starts threads.
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+def restore_checkpoint(path, abstract_state, plan, seed):
+    """The train state and training progress saved in `path`, checked against this run: the same model shapes,
+    global batch and seed (the data order depends on both)."""
+    with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
+        stored = dict(jax.tree_util.tree_flatten_with_path(checkpointer.metadata(path).item_metadata["state"]["params"])[0])
+        for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+            if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
+                there = "missing" if key not in stored else tuple(stored[key].shape)
+                fail(f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
+                     "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir")
+        target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
         try:
-            jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
-        except (KeyError, ValueError) as e:
-            fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
-    is_main = int(os.environ.get("JAX_PROCESS_ID", "0")) == 0
-    if not is_main:
+            restored = checkpointer.restore(path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                          trainer_state=ocp.args.JsonRestore()))
+        except (ValueError, KeyError) as e:
+            fail(f"cannot restore {path} (written with another optimizer?): {str(e).splitlines()[0]}")
+    saved = restored["trainer_state"]
+    for name, here in (("train_batch_size", plan.train_batch_size), ("seed", seed)):
+        if saved[name] != here:
+            fail(f"{path} was written with {name} {saved[name]} and this run has {here}; resume with the same seed and global batch "
+                 "(--per_device_train_batch_size x devices x --gradient_accumulation_steps)")
+    if saved["num_devices"] != plan.num_devices:
+        logger.warning(f"{path} was written on {saved['num_devices']} devices and this run has {plan.num_devices}: the same batches "
+                       "and updates, but dropout draws differ (they follow the device)")
+    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")}, last_checkpoint=path)
+    return abstract_state.replace(**restored["state"]), progress
+
+
+def write_json(path, obj):
+    """Atomically; non-finite numbers become null (JSON has none)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in obj.items()}
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(clean, f, indent=4, sort_keys=True)
+    os.replace(f"{path}.tmp", path)
+
+
+def write_results(output_dir, split, metrics):
+    """{split}_results.json and the merged all_results.json, as the Trainer's save_metrics writes them."""
+    if jax.process_index() != 0:
+        return
+    write_json(os.path.join(output_dir, f"{split}_results.json"), metrics)
+    all_results = os.path.join(output_dir, "all_results.json")
+    merged = json.loads(Path(all_results).read_text()) if os.path.exists(all_results) else {}
+    write_json(all_results, {**merged, **metrics})
+
+
+def open_summary_writer(training_args):
+    """TensorBoard events in output_dir/runs/<date>_<host>, the Trainer's folder: a rerun never merges its curves
+    into an earlier run's."""
+    if training_args.report_to == "none" or jax.process_index() != 0:
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        logger.warning("tensorboardX is not installed: no TensorBoard logs (pip install -r requirements.txt)")
+        return None
+    run_name = f"{datetime.datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
+    return SummaryWriter(logdir=os.path.join(training_args.output_dir, "runs", run_name))
+
+
+def open_hub_repo(training_args):
+    """(api, repo id, token) of the repository --push_to_hub uploads to (validate_args checked the hub is reachable)."""
+    if not training_args.push_to_hub or jax.process_index() != 0:
+        return None
+    from huggingface_hub import HfApi
+
+    repo_name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+    try:
+        api = HfApi()
+        return api, api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id, training_args.hub_token
+    except Exception as e:  # noqa: BLE001
+        fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {str(e).splitlines()[0]}")
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+    setup_logging(training_args)
+    validate_args(model_args, data_args, training_args)
+    checkpoint = find_checkpoint(training_args)
+    init_distributed()
+    if jax.process_index() != 0:
         datasets.utils.logging.set_verbosity_error()
         logging.getLogger().setLevel(logging.WARNING)
     logger.info(f"Training/evaluation parameters {training_args}")
-
     set_seed(training_args.seed)
 
-    # Data
     raw_datasets = load_raw_datasets(model_args, data_args)
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+    dataset = preprocess(raw_datasets, data_args, tokenizer, max_seq_length)
+    plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
+    hub = open_hub_repo(training_args)
 
-    # Config, tokenizer
-    hub_kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
-    try:
-        if model_args.config_name:
-            config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
-        elif model_args.model_name_or_path:
-            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs)
-        elif model_args.model_type:
-            config = CONFIG_MAPPING[model_args.model_type]()
-            logger.warning("You are instantiating a new config instance from scratch.")
-        else:
-            fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
-        tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
-        if tokenizer_source is None:
-            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
-                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
-    except (OSError, ValueError) as e:
-        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
-    if config.model_type not in MODEL_TYPES:
-        fail(f"config model_type {config.model_type!r} is not bart: this script trains BART")
-    if config.vocab_size < len(tokenizer):
-        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
-             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-
-    for name in ("bos", "eos", "pad", "mask"):
-        if getattr(tokenizer, f"{name}_token") is None:
-            fail(f"tokenizer {tokenizer_source!r} has no {name} token, which BART denoising needs")
-
-    # Block length: the tokenizer's limit and the model's positions both bound it.
-    model_positions = config.max_position_embeddings
-    if data_args.max_seq_length is None:
-        max_seq_length = min(tokenizer.model_max_length, model_positions)
-    else:
-        max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
-    if max_seq_length > model_positions:
-        fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
-    if max_seq_length < 4:
-        fail(f"--max_seq_length must be at least 4, got {max_seq_length}")
-
-    # Preprocessing: split texts into sentences, join them with the pad token (sentence ends), wrap
-    # each text in <s> ... </s>, tokenize without adding more specials, pack into blocks.
-    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
-    text_column_name = "text" if "text" in column_names else column_names[0]
-    map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
-    try:
-        from sentencex import segment
-
-        list(segment(data_args.sentence_language, "A test. Another one."))
-    except ImportError:
-        fail("the sentence splitter comes from the PyPI package 'sentencex': pip install -r requirements.txt")
-
-    def sentence_split_function(example):
-        sentences = [x.strip() for x in segment(data_args.sentence_language, example[text_column_name]) if x.strip()]
-        return {text_column_name: tokenizer.bos_token + tokenizer.pad_token.join(sentences) + tokenizer.eos_token}
-
-    def tokenize_function(examples):
-        return tokenizer(examples[text_column_name], add_special_tokens=False, return_attention_mask=False)
-
-    split_datasets = raw_datasets.map(sentence_split_function, desc="Splitting sentences", **map_kwargs)
-    tokenized_datasets = split_datasets.map(
-        tokenize_function, batched=True, remove_columns=column_names, desc="Running tokenizer on dataset", **map_kwargs
-    )
-    lm_datasets = tokenized_datasets.map(
-        group_texts, batched=True, fn_kwargs={"block_size": max_seq_length}, desc=f"Grouping texts in chunks of {max_seq_length}", **map_kwargs
-    )
-    for split in list(lm_datasets):  # a batch shorter than one block is kept whole by group_texts: drop it
-        lm_datasets[split] = lm_datasets[split].filter(lambda ids: len(ids) == max_seq_length, input_columns="input_ids")
-    data_collator = FlaxDataCollatorForBartDenoisingLM(
-        tokenizer=tokenizer, decoder_start_token_id=config.decoder_start_token_id, mask_ratio=data_args.mlm_probability,
-        poisson_lambda=data_args.poisson_lambda, permute_sentence_ratio=data_args.permute_sentence_ratio,
-    )
-
-    # Devices. From here on JAX runs threads: no more forking dataset workers.
-    num_devices = jax.device_count()
-    local_devices = jax.local_device_count()
-    train_batch_size = training_args.per_device_train_batch_size * num_devices
-    eval_batch_size = training_args.per_device_eval_batch_size * num_devices
-    local_train = training_args.per_device_train_batch_size * local_devices
-    local_eval = training_args.per_device_eval_batch_size * local_devices
-    process_index = jax.process_index()
-    is_main = process_index == 0
-
-    if training_args.do_train:
-        num_train_samples = len(lm_datasets["train"])
-        steps_per_epoch = num_train_samples // train_batch_size
-        if steps_per_epoch == 0:
-            fail(f"the train set has {num_train_samples} blocks of {max_seq_length} tokens, fewer than one "
-                 f"global batch of {train_batch_size} ({training_args.per_device_train_batch_size} per device x "
-                 f"{num_devices} devices); use more text or a smaller --per_device_train_batch_size/--max_seq_length")
-        if training_args.max_steps > 0:
-            total_train_steps = training_args.max_steps
-        else:
-            total_train_steps = int(steps_per_epoch * training_args.num_train_epochs)
-        if total_train_steps <= 0:
-            fail(f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {steps_per_epoch} steps per epoch")
-    if training_args.do_eval and len(lm_datasets["validation"]) == 0:
-        fail("the validation set is empty after tokenization; give a longer --validation_file")
-
-    # Push to hub: only when asked (validate_args checked that the hub is reachable).
-    api = repo_id = None
-    if training_args.push_to_hub and is_main:
-        from huggingface_hub import HfApi
-
-        repo_name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
-        try:
-            api = HfApi()
-            repo_id = api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id
-        except Exception as e:  # noqa: BLE001
-            fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {str(e).splitlines()[0]}")
-
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    summary_writer = None
-    if is_main:
-        try:
-            from tensorboardX import SummaryWriter
-
-            summary_writer = SummaryWriter(logdir=training_args.output_dir)
-        except ImportError:
-            logger.warning("tensorboardX is not installed: no TensorBoard logs (pip install -r requirements.txt)")
-
-    # Model
-    rng = jax.random.PRNGKey(training_args.seed)
-    # One dropout key per global device, so a multi-host run draws what a single host with as many devices draws.
-    dropout_rngs = jax.random.split(rng, num_devices)[process_index * local_devices : (process_index + 1) * local_devices]
-    # --dtype bfloat16 computes the dense layers in bf16 on an f32 model (see bf16_dense); float16 is
-    # upstream's model dtype.
+    model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=checkpoint is not None)
+    progress = TrainingProgress()
+    if checkpoint is not None:
+        state, progress = restore_checkpoint(checkpoint, state, plan, training_args.seed)
+    logger.info(f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
+                f"{plan.num_devices} devices ({plan.local_devices} local), blocks of {max_seq_length} tokens")
     bf16 = model_args.dtype == "bfloat16"
-    dtype = jnp.float32 if bf16 else getattr(jnp, model_args.dtype)
-    if model_args.model_name_or_path:
-        model = FlaxBartForConditionalGeneration.from_pretrained(model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, **hub_kwargs)
-    else:
-        model = FlaxBartForConditionalGeneration(config, seed=training_args.seed, dtype=dtype)
-    if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    num_params = sum(x.size for x in jax.tree_util.tree_leaves(model.params))
-    logger.info(f"Model: {config.model_type}, {num_params:,} parameters, {num_devices} devices ({local_devices} local), "
-                f"blocks of {max_seq_length} tokens")
+    collator = FlaxDataCollatorForBartDenoisingLM(
+        tokenizer=tokenizer, decoder_start_token_id=config.decoder_start_token_id, mask_ratio=data_args.mlm_probability,
+        poisson_lambda=data_args.poisson_lambda, permute_sentence_ratio=data_args.permute_sentence_ratio)
+    make_batch = functools.partial(collate_batch, collator=collator, pad_token_id=tokenizer.pad_token_id)
+    evaluate_fn = None
+    if training_args.do_eval:
+        evaluate_fn = functools.partial(evaluate, eval_step=make_eval_step(model, config, bf16), dataset=dataset["validation"],
+                                        make_batch=make_batch, plan=plan, seed=training_args.seed)
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    writer = open_summary_writer(training_args)
+    state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
 
-    total_for_schedule = total_train_steps if training_args.do_train else 1
-    linear_decay_lr_schedule_fn = create_learning_rate_fn(total_for_schedule, training_args.warmup_steps, training_args.learning_rate)
-    if training_args.adafactor:
-        # Upstream's choice: Adafactor with the same schedule, no decay mask.
-        optimizer = optax.adafactor(learning_rate=linear_decay_lr_schedule_fn)
-    else:
-        optimizer = optax.adamw(
-            learning_rate=linear_decay_lr_schedule_fn, b1=training_args.adam_beta1, b2=training_args.adam_beta2,
-            eps=training_args.adam_epsilon, weight_decay=training_args.weight_decay, mask=decay_mask_fn,
-        )
-    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optimizer)
-
-    def train_step(state, batch, dropout_rng):
-        dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
-
-        def loss_fn(params):
-            labels = batch.pop("labels")
-            logits = model_logits(state.apply_fn, batch, params, bf16, dropout_rng=dropout_rng, train=True)
-            loss, _, num_labels = seq2seq_sums(logits, labels)
-            return loss, num_labels
-
-        grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=save_all_but_transcendentals), has_aux=True)
-        (loss, num_labels), grad = grad_fn(state.params)
-        # The "true loss": sum over every target token on every device, divided by their total count.
-        num_labels = jnp.maximum(jax.lax.psum(num_labels, "batch"), 1)
-        loss = jax.lax.psum(loss, "batch") / num_labels
-        grad = jax.tree_util.tree_map(lambda g: jax.lax.psum(g, "batch") / num_labels, grad)
-        new_state = state.apply_gradients(grads=grad)
-        metrics = {"loss": loss, "learning_rate": linear_decay_lr_schedule_fn(state.step)}
-        return new_state, metrics, new_dropout_rng
-
-    def eval_step(params, batch):
-        labels = batch.pop("labels")
-        logits = model_logits(model.__call__, batch, params, bf16, train=False)
-        loss, accuracy, normalizer = seq2seq_sums(logits, labels)
-        return jax.lax.psum({"loss": loss, "accuracy": accuracy, "normalizer": normalizer}, axis_name="batch")
-
-    p_train_step = jax.pmap(train_step, "batch", donate_argnums=(0,))
-    p_eval_step = jax.pmap(eval_step, "batch")
-    # Replicas placed by a pmap carry the same sharding (a mesh axis named "batch") as the steps'
-    # outputs; placed by flax's replicate() they do not, and the train step compiled a second time.
-    to_devices = jax.pmap(lambda x: x, "batch")
-
-    eval_dataset = lm_datasets["validation"] if training_args.do_eval else None
-
-    def local_slice(batch, local_size):
-        """Every process collates the same global batch; each feeds its own rows to its devices."""
-        start = process_index * local_size
-        return shard({k: v[start : start + local_size] for k, v in batch.items()})
-
-    def evaluate(params):
-        num_eval = len(eval_dataset)
-        sums = {"loss": 0.0, "accuracy": 0.0, "normalizer": 0.0}
-        batches = generate_batch_splits(np.arange(num_eval), eval_batch_size, drop_last=False)
-        for batch_idx in tqdm(batches, desc="Evaluating ...", position=2, leave=False, disable=not is_main):
-            # Each example's spans come from (seed, index): the same at every evaluation and any batching.
-            batch = data_collator(eval_dataset[batch_idx], training_args.seed, row_ids=batch_idx)
-            batch = dummy_rows(batch, eval_batch_size - len(batch_idx), pad_token_id)
-            metrics = unreplicate(p_eval_step(params, local_slice(batch, local_eval)))
-            for k in sums:
-                sums[k] += float(metrics[k])
-        normalizer = max(sums["normalizer"], 1.0)
-        eval_loss = sums["loss"] / normalizer
-        return {
-            "eval_loss": eval_loss,
-            "eval_accuracy": sums["accuracy"] / normalizer,
-            "eval_perplexity": math.exp(eval_loss) if eval_loss < 700 else float("inf"),
-            "eval_target_tokens": int(sums["normalizer"]),
-            "eval_samples": num_eval,
-        }
-
-    def log_eval(metrics, step):
-        logger.info(f"Step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.4f}, "
-                    f"perplexity {metrics['eval_perplexity']:.2f}")
-        if summary_writer is not None:
-            for k in ("eval_loss", "eval_accuracy", "eval_perplexity"):
-                summary_writer.add_scalar(k, metrics[k], step)
-
-    def save(params, step):
-        if not is_main:
-            return
-        params = unreplicate(params)
-        save_checkpoint(model, params, tokenizer, training_args.output_dir, step)
-        if api is not None:
-            api.upload_folder(commit_message=f"Saving weights and logs of step {step}", folder_path=training_args.output_dir,
-                              repo_id=repo_id, repo_type="model", token=training_args.hub_token)
-
-    last_eval, last_eval_step = None, None
-    cur_step = 0
+    last_eval = None
     if training_args.do_train:
-        state = to_devices(jax_utils.replicate(state))
-        dropout_rngs = to_devices(dropout_rngs)
-        train_rng = np.random.default_rng(training_args.seed)
-        num_epochs = math.ceil(total_train_steps / steps_per_epoch)
-        logger.info(f"***** Running training *****\n  Num examples = {num_train_samples}\n  Num epochs = {num_epochs}\n"
-                    f"  Global batch size = {train_batch_size}\n  Total optimization steps = {total_train_steps}")
-        train_start = time.time()
-        window_losses = []
-        tokens_seen = 0
-        progress = tqdm(total=total_train_steps, desc="Training", disable=not is_main, dynamic_ncols=True)
-        for epoch in range(num_epochs):
-            # Identical on every process: the same permutation, batches and masks.
-            batches = generate_batch_splits(train_rng.permutation(num_train_samples), train_batch_size)
-            for batch_idx in batches:
-                if cur_step >= total_train_steps:
-                    break
-                batch = data_collator(lm_datasets["train"][np.sort(batch_idx)], train_rng)
-                tokens_seen += batch["input_ids"].size
-                state, train_metric, dropout_rngs = p_train_step(state, local_slice(batch, local_train), dropout_rngs)
-                cur_step += 1
-                progress.update(1)
-                window_losses.append(train_metric["loss"])
-
-                if cur_step % training_args.logging_steps == 0 or cur_step == total_train_steps:
-                    losses = [unreplicate(x) for x in window_losses]
-                    lr = float(unreplicate(train_metric["learning_rate"]))
-                    train_loss = float(np.mean(losses))
-                    window_losses = []
-                    progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-                    progress.write(f"Step {cur_step}/{total_train_steps} (epoch {epoch + 1}) | loss {train_loss:.4f} | lr {lr:.3e}")
-                    if summary_writer is not None:
-                        summary_writer.add_scalar("train_loss", train_loss, cur_step)
-                        summary_writer.add_scalar("learning_rate", lr, cur_step)
-
-                end_of_epoch = batch_idx is batches[-1] or cur_step == total_train_steps
-                due = cur_step % training_args.eval_steps == 0 if training_args.eval_steps else end_of_epoch
-                if training_args.do_eval and due:
-                    last_eval, last_eval_step = evaluate(state.params), cur_step
-                    log_eval(last_eval, cur_step)
-
-                if cur_step % training_args.save_steps == 0 or cur_step == total_train_steps:
-                    save(state.params, cur_step)
-        progress.close()
-        train_time = time.time() - train_start
-        train_results = {
-            "train_loss": train_loss,
-            "train_runtime_s": train_time,
-            "train_steps": cur_step,
-            "train_samples_per_second": cur_step * train_batch_size / train_time,
-            "train_tokens_per_second": tokens_seen / train_time,
-            "global_batch_size": train_batch_size,
-            "max_seq_length": max_seq_length,
-            "num_devices": num_devices,
-            "num_parameters": num_params,
-        }
-        logger.info(f"Trained {cur_step} steps in {train_time:.1f} s ({train_results['train_tokens_per_second']:.0f} tokens/s)")
-        if is_main:
-            write_json(os.path.join(training_args.output_dir, "train_results.json"), train_results)
-        params = state.params
+        if jax.process_index() == 0:
+            clear_checkpoints(training_args.output_dir, fresh_start=checkpoint is None)
+        save_fn = functools.partial(save_checkpoint, output_dir=training_args.output_dir, model=model, tokenizer=tokenizer,
+                                    save_total_limit=training_args.save_total_limit, hub=hub, plan=plan, seed=training_args.seed)
+        train_step = make_train_step(model, config, schedule, bf16, training_args.seed)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            params, train_metrics, last_eval = train(state, train_step, dataset["train"], make_batch, plan, training_args, progress,
+                                                     evaluate_fn, save_fn, writer)
+        write_results(training_args.output_dir, "train", {**train_metrics, "max_seq_length": max_seq_length})
     else:
-        params = to_devices(jax_utils.replicate(state.params))
+        params = state.params
+    del state
 
     if training_args.do_eval:
-        if last_eval is None or last_eval_step != cur_step:
-            last_eval = evaluate(params)
-            log_eval(last_eval, cur_step)
-        if is_main:
-            write_json(os.path.join(training_args.output_dir, "eval_results.json"), last_eval)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in last_eval.items()}))
-    if summary_writer is not None:
-        summary_writer.close()
+        if last_eval is None or last_eval[0] != progress.global_step:
+            last_eval = (progress.global_step, evaluate_fn(params))
+            log_eval(last_eval[1], progress.global_step, writer)
+        eval_metrics = {**last_eval[1], "epoch": progress.global_step / plan.steps_per_epoch if plan.steps_per_epoch else 0.0}
+        write_results(training_args.output_dir, "eval", eval_metrics)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
+    if writer is not None:
+        writer.close()
 
 
 if __name__ == "__main__":

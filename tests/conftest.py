@@ -105,6 +105,26 @@ def logged_losses(log):
     return [float(x) for x in re.findall(r"\| loss ([0-9.]+)", log)]
 
 
+def losses_by_step(log):
+    """{step: the loss text as logged} from a Flax script's "Step N/T (...) | loss X" lines."""
+    return dict(re.findall(r"Step (\d+)/\d+ \([^)]*\) \| loss ([0-9.]+|nan|inf)", log))
+
+
+# The four Flax training scripts: model type, the fixture of their tiny model folder, their length flag.
+FLAX_TRAINING_SCRIPTS = {
+    "flax/run_mlm_flax.py": ("roberta", "tiny_model_dir", "--max_seq_length"),
+    "flax/run_clm_flax.py": ("gpt2", "gpt2_dir", "--block_size"),
+    "flax/run_t5_mlm_flax.py": ("t5", "t5_dir", "--max_seq_length"),
+    "flax/run_bart_dlm_flax.py": ("bart", "bart_dir", "--max_seq_length"),
+}
+
+
+def flax_args(path, request, corpus, output_dir, *extra, length="32"):
+    """A Flax training script's command line on the PTB slices with its tiny model (length 32 by default)."""
+    model_type, fixture, length_flag = FLAX_TRAINING_SCRIPTS[path]
+    return script_args(path, model_type, request.getfixturevalue(fixture), corpus, output_dir, length_flag, length, *extra)
+
+
 def eval_reloaded(args, trained_dir, output_dir):
     """Evaluate the checkpoint in trained_dir with the same command line minus training, on one
     device, and return its eval_results.json."""

@@ -9,15 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from conftest import check_ok, load_script, logged_losses, run, script_args
+from conftest import FLAX_TRAINING_SCRIPTS, check_ok, flax_args, load_script, logged_losses, run
 
-# script: (model type, model-folder fixture, its sequence-length flag)
-TRAINING_SCRIPTS = {
-    "flax/run_mlm_flax.py": ("roberta", "tiny_model_dir", "--max_seq_length"),
-    "flax/run_clm_flax.py": ("gpt2", "gpt2_dir", "--block_size"),
-    "flax/run_t5_mlm_flax.py": ("t5", "t5_dir", "--max_seq_length"),
-    "flax/run_bart_dlm_flax.py": ("bart", "bart_dir", "--max_seq_length"),
-}
+TRAINING_SCRIPTS = FLAX_TRAINING_SCRIPTS
 # Largest relative gap allowed between a bf16 and an f32 run's per-step training losses, from the same
 # weights and batches over 8 steps: bf16 rounds the products' inputs to 8 significant bits (relative error
 # up to 2^-9); measured: up to 0.12 % (T5), 0.002 % (RoBERTa).
@@ -139,11 +133,8 @@ def test_lm_head_at_masked_positions_gives_the_full_head_loss(tiny_model_dir):
 
 @pytest.mark.parametrize("path", TRAINING_SCRIPTS)
 def test_bf16_training_follows_f32_and_saves_f32_weights(path, corpus, tmp_path, request):
-    model_type, fixture, length_flag = TRAINING_SCRIPTS[path]
-    model_dir = request.getfixturevalue(fixture)
-
     def args(out, dtype, *extra):
-        return script_args(path, model_type, model_dir, corpus, out, length_flag, "32", "--dtype", dtype, *extra)
+        return flax_args(path, request, corpus, out, "--dtype", dtype, *extra)
 
     steps = ["--do_train", "--do_eval", "--per_device_train_batch_size", "8", "--max_steps", "8", "--logging_steps", "1",
              "--learning_rate", "3e-3", "--warmup_steps", "2"]

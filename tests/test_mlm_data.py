@@ -23,7 +23,7 @@ def masked(tokenizer):
     encoded = tokenizer(lines, return_special_tokens_mask=True)
     collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=0.15)
     original = tokenizer.pad(dict(encoded), pad_to_multiple_of=16, return_tensors="np")
-    batch = collator(dict(encoded), np.random.default_rng(1), pad_to_multiple_of=16)
+    batch = collator(dict(encoded), (1,), row_ids=np.arange(len(lines)), row_width=original["input_ids"].shape[1])
     return original, batch
 
 
@@ -132,8 +132,8 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert float(schedule(100)) == 0.0
 
 
-def test_eval_masks_depend_on_the_example_not_the_batch(tokenizer):
-    """Evaluation draws each example's masks from (seed, index): the same whatever the batching."""
+def test_masks_depend_on_the_example_not_the_batch(tokenizer):
+    """Each example's masks are drawn from (seed, index): the same whatever the batching."""
     collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer)
     rng = np.random.default_rng(3)
     examples = [rng.integers(5, 1000, size=n).tolist() for n in rng.integers(5, 60, size=24)]
@@ -141,7 +141,7 @@ def test_eval_masks_depend_on_the_example_not_the_batch(tokenizer):
 
     def collate(rows):
         batch = {"input_ids": [examples[i] for i in rows], "attention_mask": [[1] * len(examples[i]) for i in rows]}
-        out = collator(batch, 7, pad_to_multiple_of=16, row_ids=ids[rows], row_width=64)
+        out = collator(batch, (7,), row_ids=ids[rows], row_width=64)
         return {i: out["labels"][k][: len(examples[i])].tolist() for k, i in enumerate(rows)}
 
     whole = collate(list(range(24)))

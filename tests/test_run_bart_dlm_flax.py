@@ -74,15 +74,15 @@ def test_span_lengths_follow_the_poisson_mean(bart_dir):
 
 def test_labels_are_the_original_sequence(blocks):
     tokenizer, ids = blocks
-    batch = collator(tokenizer)({"input_ids": ids.tolist()}, np.random.default_rng(4))
+    batch = collator(tokenizer)({"input_ids": ids.tolist()}, (4,), row_ids=np.arange(len(ids)))
     special = np.isin(ids, tokenizer.all_special_ids)
     assert (batch["labels"][~special] == ids[~special]).all() and (batch["labels"][special] == -100).all()
     assert (batch["decoder_input_ids"][:, 1:] == ids[:, :-1]).all() and (batch["decoder_input_ids"][:, 0] == 2).all()
     assert (batch["attention_mask"] == (batch["input_ids"] != tokenizer.pad_token_id)).all()
     assert (batch["input_ids"] == tokenizer.mask_token_id).any()
-    # Evaluation noise depends on the example only.
-    whole = collator(tokenizer)({"input_ids": ids[:6].tolist()}, 7, row_ids=np.arange(6))
-    part = collator(tokenizer)({"input_ids": ids[3:6].tolist()}, 7, row_ids=np.arange(3, 6))
+    # The noise depends on the example only.
+    whole = collator(tokenizer)({"input_ids": ids[:6].tolist()}, (7,), row_ids=np.arange(6))
+    part = collator(tokenizer)({"input_ids": ids[3:6].tolist()}, (7,), row_ids=np.arange(3, 6))
     assert (whole["input_ids"][3:] == part["input_ids"]).all()
 
 

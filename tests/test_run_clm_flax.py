@@ -47,7 +47,7 @@ def test_trains_on_two_devices_loss_falls_and_metrics_written(trained, corpus):
     assert 0.05 < metrics["eval_accuracy"] < 1.0
     # Every validation block is evaluated: block_size - 1 predictions per full block.
     assert metrics["eval_predicted_tokens"] >= 63 * (metrics["eval_samples"] - 1)
-    assert list(out.glob("events.out.tfevents.*"))
+    assert list(out.glob("runs/*/events.out.tfevents.*"))
 
 
 def test_checkpoint_reloads_to_identical_eval(trained, gpt2_dir, corpus, tmp_path):

@@ -31,7 +31,7 @@ def test_span_corruption_spec(t5_dir, length, density, span):
     # Real token ids only (no sentinels), with literal <pad> (id 0) sprinkled in: upstream #15443/#15835.
     ids = rng.integers(3, 1000, size=(16, expanded))
     ids[rng.random(ids.shape) < 0.05] = 0
-    batch = collator({"input_ids": ids.tolist()}, rng)
+    batch = collator({"input_ids": ids.tolist()}, (length,), row_ids=np.arange(16))
     assert batch["input_ids"].shape == (16, length) and batch["labels"].shape == (16, targets)
     assert batch["decoder_input_ids"].shape == (16, targets)
     assert (batch["decoder_input_ids"][:, 0] == 0).all()
