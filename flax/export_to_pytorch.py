@@ -14,12 +14,14 @@ Example:
 
 import argparse
 import os
+import shutil
 import sys
 
 # This script never uses TensorFlow; keep transformers from importing it.
 os.environ.setdefault("USE_TF", "0")
 
 import numpy as np
+import tempfile
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
@@ -28,6 +30,19 @@ from transformers.modeling_flax_pytorch_utils import load_flax_checkpoint_in_pyt
 
 def fail(message):
     sys.exit(f"export_to_pytorch.py: error: {message}")
+
+
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
 
 
 def model_classes(config):
@@ -58,6 +73,7 @@ def compare_logits(flax_model, pt_model, config, seed=0, batch=2, length=16):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--model_dir", required=True, help="folder with config.json and flax_model.msgpack")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--overwrite_output_dir", action="store_true")
@@ -67,19 +83,27 @@ def main(argv=None):
     weights = os.path.join(args.model_dir, "flax_model.msgpack")
     if not os.path.isfile(weights):
         fail(f"--model_dir {args.model_dir} has no flax_model.msgpack")
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        fail(f"--model_dir {args.model_dir} has weights but no config.json; export the folder a Flax script's save_pretrained wrote")
     if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
         fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
-    config = AutoConfig.from_pretrained(args.model_dir)
+    check_writable("--output_dir", args.output_dir)
+    try:
+        config = AutoConfig.from_pretrained(args.model_dir)
+    except (OSError, ValueError) as e:
+        fail(f"--model_dir {args.model_dir}: cannot read its config.json ({str(e).splitlines()[0]})")
     flax_cls, pt_cls = model_classes(config)
 
     # transformers warns that tied output weights (e.g. RoBERTa's lm_head.decoder) were "newly
     # initialized": they are tied to the loaded embeddings. The logit check below is the real test.
     transformers.logging.set_verbosity_error()
-    pt_model = pt_cls(config)
-    pt_model = load_flax_checkpoint_in_pytorch_model(pt_model, weights)
+    try:
+        pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
+        flax_model = flax_cls.from_pretrained(args.model_dir)
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file becomes one line
+        fail(f"cannot read {weights} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the file complete?")
     pt_model.tie_weights()
     pt_model.eval()
-    flax_model = flax_cls.from_pretrained(args.model_dir)
     difference = compare_logits(flax_model, pt_model, config)
     if not difference <= args.tolerance:
         fail(f"PyTorch and Flax logits differ by {difference:.2e} (> --tolerance {args.tolerance}); nothing written")

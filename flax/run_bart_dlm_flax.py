@@ -49,8 +49,12 @@ Example (local files, see README.md):
       --warmup_steps 100 --num_train_epochs 1 --do_train --do_eval
 """
 
+import atexit
+import codecs
 import contextlib
 import datetime
+import difflib
+import fcntl
 import functools
 import json
 import logging
@@ -203,11 +207,24 @@ def check_hub_name(flag, name):
 
 
 def parse_args(argv=None):
+    """The three argument groups, from the command line or from one JSON file. A flag that does not exist (a
+    typo), a malformed value or a missing file gets one line naming it, not argparse's usage block."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    parser.error = fail
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        if not os.path.isfile(argv[0]):
+            fail(f"arguments file {argv[0]} does not exist")
+        try:
+            return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+        except ValueError as e:  # also malformed JSON
+            fail(f"arguments file {argv[0]}: {str(e).splitlines()[0]}")
+    *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+        fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+    return groups
 
 
 def setup_logging(training_args):
@@ -223,16 +240,8 @@ def validate_args(model_args, data_args, training_args):
     if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
         fail("need --dataset_name or --train_file/--validation_file")
     for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
-        if path is None:
-            continue
-        extension = path.split(".")[-1]
-        if extension not in ("csv", "json", "txt"):
-            fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
-        if not os.path.isfile(path):
-            fail(f"{flag} {path} does not exist")
-        with open(path, "rb") as f:
-            if not f.read(1 << 20).strip():
-                fail(f"{flag} {path} is empty")
+        if path is not None:
+            check_data_file(flag, path)
     if data_args.train_file and data_args.validation_file:
         extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
         if len(extensions) > 1:
@@ -250,30 +259,104 @@ def validate_args(model_args, data_args, training_args):
     except ImportError:
         fail("the sentence splitter comes from the PyPI package 'sentencex': pip install -r requirements.txt")
     validate_training_args(training_args)
-    if model_args.dtype not in ("float32", "float16", "bfloat16"):
-        fail(f"--dtype must be one of float32, float16, bfloat16, got {model_args.dtype!r}")
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
         fail(f"--model_type {model_args.model_type!r} is not bart: this script trains BART")
+    validate_model_args(model_args)
     check_hub_name("--dataset_name", data_args.dataset_name)
+
+
+def check_data_file(flag, path):
+    """A train or validation file: a file (not a folder) of a supported extension, not empty, and UTF-8 text
+    (for other bytes the datasets loader says only that generating the dataset failed)."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
+    extension = path.split(".")[-1]
+    if extension not in ("csv", "json", "txt"):
+        fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
+    if not os.path.isfile(path):
+        fail(f"{flag} {path} does not exist")
+    decoder, line, empty, newline = codecs.getincrementaldecoder("utf-8")(), 1, True, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            empty = empty and not chunk.strip()
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                where = line + chunk.count(newline, 0, e.start)
+                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                     "e.g. with iconv -f latin1 -t utf-8")
+            line += chunk.count(newline)
+    if empty:
+        fail(f"{flag} {path} is empty")
+
+
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
+def validate_model_args(model_args):
+    if model_args.dtype not in ("float32", "float16", "bfloat16"):
+        fail(f"--dtype must be one of float32, float16, bfloat16, got {model_args.dtype!r}")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
+    for flag in ("config_name", "model_name_or_path"):
+        path = getattr(model_args, flag)
+        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
 
 
 def validate_training_args(training_args):
     if not training_args.do_train and not training_args.do_eval:
         fail("nothing to do: pass --do_train and/or --do_eval")
     for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps",
-                 "save_steps", "eval_steps", "save_total_limit", "peak_tflops"):
+                 "save_steps", "eval_steps", "save_total_limit", "peak_tflops", "learning_rate", "adam_epsilon"):
         value = getattr(training_args, flag)
         if value is not None and value <= 0:
             fail(f"--{flag} must be positive, got {value}")
+    for flag in ("weight_decay", "warmup_steps"):
+        if getattr(training_args, flag) < 0:
+            fail(f"--{flag} must not be negative, got {getattr(training_args, flag)}")
+    for flag in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(training_args, flag) < 1.0:
+            fail(f"--{flag} must be in [0, 1), got {getattr(training_args, flag)}")
+    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        fail(f"--num_train_epochs must be positive (or give --max_steps), got {training_args.num_train_epochs}")
     if training_args.report_to not in ("tensorboard", "none", "all"):
         fail(f"--report_to {training_args.report_to!r}: this script logs to tensorboard or none")
     output_dir = training_args.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir} exists and is not a directory")
+    check_writable("--output_dir", output_dir)
     if training_args.push_to_hub and not hub_reachable():
         fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload {output_dir} later")
+
+
+def lock_output_dir(output_dir):
+    """Hold output_dir/.lock while this process runs, so that a second run into the same folder is refused instead
+    of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
+    so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
+    if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
+        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+    os.makedirs(output_dir, exist_ok=True)
+    lock = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
+    lock.flush()
+    return lock
 
 
 def init_distributed():
@@ -309,15 +392,31 @@ def load_raw_datasets(model_args, data_args):
         extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
         extension = "text" if extension == "txt" else extension
         load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     try:
         raw = load()
         if "validation" not in raw.keys() and "train" in raw.keys():
+            if round(len(raw["train"]) * split_pct / 100) == 0:
+                fail(f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                     "give --validation_file, or more text")
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
-        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
         fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return raw
+
+
+def text_column(raw_datasets, data_args):
+    """The column that holds the text: `text`, else (as upstream) the first column, if it holds strings."""
+    features = raw_datasets["train" if "train" in raw_datasets else "validation"].features
+    columns = list(features)
+    if "text" in columns:
+        return "text"
+    if getattr(features[columns[0]], "dtype", None) in ("string", "large_string"):
+        logger.warning(f"no column named 'text': taking the text from the first column, {columns[0]!r}")
+        return columns[0]
+    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+    fail(f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'")
 
 
 def group_texts(examples, block_size):
@@ -336,7 +435,7 @@ def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
     from sentencex import segment
 
     column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
-    text_column_name = "text" if "text" in column_names else column_names[0]
+    text_column_name = text_column(raw_datasets, data_args)
     map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
 
     def join_sentences(text):
@@ -506,10 +605,19 @@ def load_config_and_tokenizer(model_args):
     if config.vocab_size < len(tokenizer):
         fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
              "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+    check_attention_heads(config)
     for name in ("bos", "eos", "pad", "mask"):
         if getattr(tokenizer, f"{name}_token") is None:
             fail(f"tokenizer {tokenizer_source!r} has no {name} token, which BART denoising needs")
     return config, tokenizer
+
+
+def check_attention_heads(config):
+    """Each attention head takes an equal slice of the hidden size (T5 sizes its heads by d_kv instead)."""
+    for heads in ("num_attention_heads", "decoder_attention_heads"):
+        if config.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
+            fail(f"the config's hidden size {config.hidden_size} is not divisible by its {getattr(config, heads)} attention heads "
+                 f"({heads}); fix the config (tokenizers/create_config.py --config_overrides)")
 
 
 def resolve_max_seq_length(data_args, config, tokenizer):
@@ -569,6 +677,10 @@ def plan_training(training_args, dataset, max_seq_length):
             plan.total_steps = int(plan.steps_per_epoch * training_args.num_train_epochs)
         if plan.total_steps <= 0:
             fail(f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch")
+        if training_args.warmup_steps > plan.total_steps:
+            peak = training_args.learning_rate * plan.total_steps / training_args.warmup_steps
+            logger.warning(f"--warmup_steps {training_args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
+                           f"rate only reaches {peak:.3g}, not --learning_rate {training_args.learning_rate:g}")
     if training_args.do_eval and len(dataset["validation"]) == 0:
         fail("the validation set is empty after tokenization; give a longer --validation_file")
     return plan
@@ -605,8 +717,9 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
             model, params = FlaxBartForConditionalGeneration.from_pretrained(
                 model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, _do_init=False,
                 cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
-        except (OSError, ValueError) as e:
-            fail(f"cannot load the model {model_args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
+            fail(f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                 "is its weights file complete?")
     else:
         model = FlaxBartForConditionalGeneration(config, seed=training_args.seed, dtype=dtype, _do_init=False)
         init = functools.partial(model.init_weights, model.key, model.input_shape)
@@ -969,11 +1082,15 @@ def find_checkpoint(training_args):
         if not complete:
             fail(f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh")
         return complete[-1][1]
-    if training_args.do_train and os.path.isdir(output_dir) and os.listdir(output_dir) and not training_args.overwrite_output_dir:
+    if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
+        return None
+    if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
         if complete:
             fail(f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
                  "or --overwrite_output_dir to start afresh")
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    if os.path.exists(os.path.join(output_dir, "eval_results.json")):
+        fail(f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir")
     return None
 
 
@@ -1010,13 +1127,25 @@ def save_checkpoint(state, progress, output_dir, model, tokenizer, save_total_li
     if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
         stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
     path = os.path.join(output_dir, f"checkpoint-{progress.global_step}")
+    last = f"the last complete checkpoint, {progress.last_checkpoint}, is intact" if progress.last_checkpoint else "no checkpoint is complete"
+    # The checkpoint and the from_pretrained copy of the weights; checked first, because Orbax's writer threads do
+    # not stop cleanly on a full disk.
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state)) + sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state["params"]))
+    free = shutil.disk_usage(output_dir).free
+    if free < 1.1 * needed + (1 << 20):
+        fail(f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
+             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint")
     trainer_state = {**{k: v for k, v in vars(progress).items() if k != "last_checkpoint"}, "seed": seed,
                      "train_batch_size": plan.train_batch_size, "num_devices": plan.num_devices}
-    with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-        checkpointer.save(path, args=ocp.args.Composite(state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)),
-                          force=True)
+    try:
+        with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
+            checkpointer.save(path, args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
+                                                            trainer_state=ocp.args.JsonSave(trainer_state)), force=True)
+        if jax.process_index() == 0:
+            save_pretrained(model, host_state["params"], tokenizer, output_dir)
+    except (OSError, ValueError) as e:  # a full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError
+        fail(f"cannot write {path}: {str(e).splitlines()[0]}; {last}. Free some space, then resume with --resume_from_checkpoint")
     if jax.process_index() == 0:
-        save_pretrained(model, host_state["params"], tokenizer, output_dir)
         for _, old in list_checkpoints(output_dir)[0][: -save_total_limit if save_total_limit else 0]:
             shutil.rmtree(old, ignore_errors=True)
         if hub is not None:
@@ -1108,6 +1237,7 @@ def main(argv=None):
     validate_args(model_args, data_args, training_args)
     checkpoint = find_checkpoint(training_args)
     init_distributed()
+    lock = lock_output_dir(training_args.output_dir) if jax.process_index() == 0 else None
     if jax.process_index() != 0:
         datasets.utils.logging.set_verbosity_error()
         logging.getLogger().setLevel(logging.WARNING)
@@ -1164,6 +1294,8 @@ def main(argv=None):
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
     if writer is not None:
         writer.close()
+    if lock is not None:
+        lock.close()
 
 
 if __name__ == "__main__":

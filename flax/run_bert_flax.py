@@ -20,10 +20,12 @@ Example:
 """
 
 import contextlib
+import difflib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -127,11 +129,33 @@ def make_forward(model, precision):
     return forward
 
 
-def main():
-    (args,) = HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
+def parse_args(argv=None):
+    """The arguments; a flag that does not exist (a typo) or a malformed value gets one line naming it."""
+    parser = HfArgumentParser(BenchmarkArguments)
+    parser.error = fail
+    args, unknown = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv, return_remaining_strings=True)
+    if unknown:
+        flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
+        close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+        fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
     for name in ("batch_size", "seq_length", "num_iterations"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.num_warmup < 0:
+        fail(f"--num_warmup must not be negative, got {args.num_warmup}")
+    if args.config_name and os.path.isdir(args.config_name) and not os.path.isfile(os.path.join(args.config_name, "config.json")):
+        fail(f"--config_name {args.config_name} holds no config.json; write one with tokenizers/create_config.py --model_type bert")
+    if args.output_file:  # found now, not after the timing
+        folder = os.path.dirname(os.path.abspath(args.output_file))
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            fail(f"--output_file {args.output_file} cannot be written ({e.strerror} in {folder}); choose another path")
+    return args
+
+
+def main():
+    args = parse_args()
     model, params, config = build_model(args)
     rng = np.random.default_rng(args.seed)
     input_ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_length)), dtype=jnp.int32)

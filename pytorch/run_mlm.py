@@ -25,11 +25,18 @@ Differences from upstream, all fixes:
 - Bad input (files, output folder, hub names offline, ...) ends with one line and a non-zero exit.
 """
 
+import atexit
+import codecs
+import difflib
+import fcntl
 import json
 import logging
 import math
 import os
+import shutil
+import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional
@@ -140,14 +147,24 @@ def parse_args(argv=None):
     """The three argument groups. With no accelerator, --use_cpu defaults to true before TrainingArguments
     sets up its devices: that is what makes torchrun data parallel over gloo, and --bf16 CPU autocast."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    parser.error = fail  # argparse's errors (a bad value, a missing flag) as one line, not a usage block
     defaults = {} if has_accelerator() else {"use_cpu": True}
     parser.set_defaults(**defaults)
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith(".json"):
-        with open(argv[0]) as f:
-            model_args, data_args, training_args = parser.parse_dict({**defaults, **json.load(f)})
+        if not os.path.isfile(argv[0]):
+            fail(f"arguments file {argv[0]} does not exist")
+        try:
+            with open(argv[0]) as f:
+                model_args, data_args, training_args = parser.parse_dict({**defaults, **json.load(f)})
+        except ValueError as e:  # also malformed JSON and unknown keys
+            fail(f"arguments file {argv[0]}: {str(e).splitlines()[0]}")
     else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+        model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if unknown:
+            flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
+            close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+            fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinned memory only speeds up copies to a CUDA device
     return model_args, data_args, training_args
@@ -157,16 +174,8 @@ def validate_args(model_args, data_args, training_args):
     if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
         fail("need --dataset_name or --train_file/--validation_file")
     for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
-        if path is None:
-            continue
-        extension = path.split(".")[-1]
-        if extension not in ("csv", "json", "txt"):
-            fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
-        if not os.path.isfile(path):
-            fail(f"{flag} {path} does not exist")
-        with open(path, "rb") as f:
-            if not f.read(1 << 20).strip():
-                fail(f"{flag} {path} is empty")
+        if path is not None:
+            check_data_file(flag, path)
     if data_args.train_file and data_args.validation_file:
         extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
         if len(extensions) > 1:
@@ -177,22 +186,99 @@ def validate_args(model_args, data_args, training_args):
         fail("--streaming needs --max_steps (a stream has no length to count epochs with)")
     if not training_args.do_train and not training_args.do_eval:
         fail("nothing to do: pass --do_train and/or --do_eval")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate"):
         if getattr(training_args, flag) <= 0:
-            fail(f"--{flag} must be a positive integer, got {getattr(training_args, flag)}")
-    if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
-        fail(f"--model_type {model_args.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
+            fail(f"--{flag} must be positive, got {getattr(training_args, flag)}")
+    for flag in ("weight_decay", "warmup_steps", "warmup_ratio"):
+        if getattr(training_args, flag) < 0:
+            fail(f"--{flag} must not be negative, got {getattr(training_args, flag)}")
     if model_args.config_overrides is not None and model_args.model_name_or_path is not None:
         fail("--config_overrides changes the architecture of a model trained from scratch; it cannot be combined "
              "with --model_name_or_path (pretrained weights fix the shapes)")
+    for flag in ("config_name", "model_name_or_path"):
+        path = getattr(model_args, flag)
+        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
+    if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
+        fail(f"--model_type {model_args.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
     if os.path.exists(training_args.output_dir) and not os.path.isdir(training_args.output_dir):
         fail(f"--output_dir {training_args.output_dir} exists and is not a directory")
+    check_writable("--output_dir", training_args.output_dir)
     if training_args.push_to_hub and not hub_reachable():
         fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
              f"{training_args.output_dir} later")
     check_hub_name("--dataset_name", data_args.dataset_name)
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
+
+
+def check_data_file(flag, path):
+    """A train or validation file: a file (not a folder) of a supported extension, not empty, and UTF-8 text
+    (for other bytes the datasets loader says only that generating the dataset failed)."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
+    extension = path.split(".")[-1]
+    if extension not in ("csv", "json", "txt"):
+        fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
+    if not os.path.isfile(path):
+        fail(f"{flag} {path} does not exist")
+    decoder, line, empty, newline = codecs.getincrementaldecoder("utf-8")(), 1, True, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            empty = empty and not chunk.strip()
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                where = line + chunk.count(newline, 0, e.start)
+                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                     "e.g. with iconv -f latin1 -t utf-8")
+            line += chunk.count(newline)
+    if empty:
+        fail(f"{flag} {path} is empty")
+
+
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
+def lock_output_dir(output_dir):
+    """Hold output_dir/.lock while this process runs, so that a second run into the same folder is refused instead
+    of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
+    so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
+    if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
+        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+    os.makedirs(output_dir, exist_ok=True)
+    lock = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def check_checkpoint_config(checkpoint, config):
+    """A checkpoint is resumed only into the model that wrote it: refuse one of another architecture before the
+    Trainer dies of a size mismatch."""
+    saved = json.loads(open(os.path.join(checkpoint, "config.json")).read()) if os.path.isfile(os.path.join(checkpoint, "config.json")) else {}
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings", "type_vocab_size")
+    differing = [f"{k} {saved[k]} there, {getattr(config, k, None)} here" for k in keys if k in saved and saved[k] != getattr(config, k, None)]
+    if differing:
+        fail(f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that wrote it, "
+             "or start afresh with --overwrite_output_dir")
 
 
 def find_checkpoint(training_args):
@@ -204,7 +290,11 @@ def find_checkpoint(training_args):
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             fail(f"--resume_from_checkpoint {path} is not a complete checkpoint (no trainer_state.json)")
         return path
-    if not training_args.do_train or training_args.overwrite_output_dir or not os.path.isdir(output_dir):
+    if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
+        return None
+    if not training_args.do_train:
+        if os.path.exists(os.path.join(output_dir, "eval_results.json")):
+            fail(f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir")
         return None
     steps = sorted(
         (int(name[len(PREFIX_CHECKPOINT_DIR) + 1:]), name)
@@ -218,7 +308,7 @@ def find_checkpoint(training_args):
                         "the `--output_dir` or add `--overwrite_output_dir` to train from scratch.")
             return path
         logger.warning(f"{path} is incomplete (no trainer_state.json: interrupted while saving?); skipping it")
-    if os.listdir(output_dir):
+    if set(os.listdir(output_dir)) - {".lock"}:
         fail(f"output directory {output_dir} is not empty and holds no checkpoint to resume from; "
              "pass --overwrite_output_dir to write into it")
     return None
@@ -360,17 +450,35 @@ def load_raw_datasets(model_args, data_args):
         extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
         extension = "text" if extension == "txt" else extension
         load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     try:
         raw = load()
         if "validation" not in raw.keys() and "train" in raw.keys():
             if data_args.streaming:
                 fail("--streaming needs a validation split: pass --validation_file (a stream cannot be split by percentage)")
+            if round(len(raw["train"]) * split_pct / 100) == 0:
+                fail(f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                     "give --validation_file, or more text")
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
-        source = data_args.dataset_name or data_args.train_file or data_args.validation_file
         fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return raw
+
+
+def text_column(raw_datasets, data_args):
+    """The column that holds the text: `text`, else (as upstream) the first column, if it holds strings."""
+    features = raw_datasets["train" if "train" in raw_datasets else "validation"].features
+    if features is None:  # a stream of unknown columns: upstream's default
+        return "text"
+    columns = list(features)
+    if "text" in columns:
+        return "text"
+    if getattr(features[columns[0]], "dtype", None) in ("string", "large_string"):
+        logger.warning(f"no column named 'text': taking the text from the first column, {columns[0]!r}")
+        return columns[0]
+    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+    fail(f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'")
 
 
 def load_config_and_tokenizer(model_args):
@@ -403,6 +511,9 @@ def load_config_and_tokenizer(model_args):
              "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
     if tokenizer.mask_token is None:
         fail(f"tokenizer {tokenizer_source!r} has no mask token, which masked language modelling needs")
+    if config.hidden_size % config.num_attention_heads:
+        fail(f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} attention heads; "
+             "fix the config (tokenizers/create_config.py --config_overrides)")
     return config, tokenizer
 
 
@@ -428,7 +539,7 @@ def resolve_max_seq_length(data_args, config, tokenizer):
 def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length):
     """Tokenize (line by line, or concatenated and grouped into blocks) and number the examples."""
     column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features or ["text"])
-    text_column_name = "text" if "text" in column_names else column_names[0]
+    text_column_name = text_column(raw_datasets, data_args)
     map_kwargs = {} if data_args.streaming else dict(
         num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
 
@@ -487,10 +598,13 @@ def main(argv=None):
     )
     logger.info(f"Training/evaluation parameters {training_args}")
     last_checkpoint = find_checkpoint(training_args)
+    lock = lock_output_dir(training_args.output_dir) if training_args.process_index == 0 else None
 
     set_seed(training_args.seed)
     raw_datasets = load_raw_datasets(model_args, data_args)
     config, tokenizer = load_config_and_tokenizer(model_args)
+    if last_checkpoint is not None:
+        check_checkpoint_config(last_checkpoint, config)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
 
     torch_dtype = model_args.torch_dtype if model_args.torch_dtype in ("auto", None) else getattr(torch, model_args.torch_dtype)
@@ -501,8 +615,9 @@ def main(argv=None):
                 token=model_args.token, trust_remote_code=model_args.trust_remote_code, torch_dtype=torch_dtype,
                 low_cpu_mem_usage=model_args.low_cpu_mem_usage,
             )
-        except (OSError, ValueError) as e:
-            fail(f"cannot load the model {model_args.model_name_or_path!r}: {str(e).splitlines()[0]}")
+        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
+            fail(f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                 "is its weights file complete?")
     else:
         logger.info("Training new model from scratch")
         model = AutoModelForMaskedLM.from_config(config, trust_remote_code=model_args.trust_remote_code,
@@ -526,6 +641,12 @@ def main(argv=None):
             if len(train_dataset) < global_batch:
                 fail(f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
                      f"({global_batch}); use more data or a smaller --per_device_train_batch_size")
+            steps_per_epoch = len(train_dataset) // global_batch  # about what the Trainer counts
+            total = training_args.max_steps if training_args.max_steps > 0 else math.ceil(steps_per_epoch * training_args.num_train_epochs)
+            warmup = training_args.get_warmup_steps(total)
+            if warmup > total:
+                logger.warning(f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
+                               f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}")
     if training_args.do_eval:
         if "validation" not in tokenized:
             fail("--do_eval requires a validation dataset (--validation_file, or a train set to split)")
@@ -579,6 +700,8 @@ def main(argv=None):
         trainer.push_to_hub(**kwargs)
     elif training_args.do_train:
         trainer.create_model_card(**kwargs)
+    if lock is not None:
+        lock.close()
 
 
 def _mp_fn(index):

@@ -22,6 +22,7 @@ def fail(message):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--model_dir", required=True, help="Folder with the model and tokenizer (run_mlm.py's --output_dir).")
     parser.add_argument("--top_k", type=int, default=5, help="How many predictions to print per mask.")
     parser.add_argument("--json", action="store_true", help="Print the predictions as JSON.")
@@ -31,6 +32,9 @@ def main(argv=None):
         fail(f"--top_k must be positive, got {args.top_k}")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         fail(f"--model_dir {args.model_dir} holds no model (config.json); train one with tensorflow/run_mlm.py")
+    if not any(os.path.isfile(os.path.join(args.model_dir, name)) for name in ("tf_model.h5", "model.safetensors", "pytorch_model.bin")):
+        fail(f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights (tf_model.h5, model.safetensors); for a Flax "
+             "run's output, convert it with flax/export_to_pytorch.py first")
 
     from transformers import AutoTokenizer, TFAutoModelForMaskedLM, pipeline
     from transformers.utils import logging

@@ -16,9 +16,12 @@ each shard is written under a temporary name and renamed when complete.
 """
 
 import argparse
+import codecs
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from itertools import chain
 
 # Only tf.io / tf.train are used here: keep transformers from importing JAX and PyTorch.
@@ -34,6 +37,7 @@ def fail(message):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file).")
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--dataset_name", type=str, default="wikitext", help="Name of the dataset on the hub (ignored with --train_file).")
     parser.add_argument("--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the dataset.")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow datasets defined on the Hub in their own modeling files.")
@@ -75,12 +79,44 @@ def check_hub_name(flag, name):
              "files instead (--train_file, and a tokenizer folder from tensorflow/train_unigram.py)")
 
 
+def check_text_file(flag, path):
+    """A local text file: a file (not a folder), UTF-8 (with the line of the first byte that is not), not blank."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory; pass a text file")
+    if not os.path.isfile(path):
+        fail(f"{flag} {path} does not exist")
+    decoder, line, empty, newline = codecs.getincrementaldecoder("utf-8")(), 1, True, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            empty = empty and not chunk.strip()
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                where = line + chunk.count(newline, 0, e.start)
+                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                     "e.g. with iconv -f latin1 -t utf-8")
+            line += chunk.count(newline)
+    if empty:
+        fail(f"{flag} {path} is empty: it has no non-blank line")
+
+
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
 def load_split(args):
     import datasets
 
     if args.train_file is not None:
-        if not os.path.isfile(args.train_file):
-            fail(f"--train_file {args.train_file} does not exist")
         dataset = datasets.load_dataset("text", data_files={args.split: args.train_file}, split=args.split)
     else:
         check_hub_name("--dataset_name", args.dataset_name)
@@ -116,6 +152,10 @@ def get_serialized_examples(tokenized_data):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    if args.train_file is not None:
+        check_text_file("--train_file", args.train_file)
+    if not args.output_dir.startswith("gs://"):
+        check_writable("--output_dir", args.output_dir)
     check_hub_name("--tokenizer_name_or_path", args.tokenizer_name_or_path)
     from transformers import AutoTokenizer
 

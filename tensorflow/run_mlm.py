@@ -31,13 +31,17 @@ Differences from upstream, all fixes:
 """
 
 import argparse
+import atexit
+import fcntl
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import socket
 import sys
+import tempfile
 import time
 
 # Only TensorFlow is used: keep transformers from importing PyTorch and JAX.
@@ -64,6 +68,7 @@ def fail(message):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--pretrained_model_config", type=str, default="FacebookAI/roberta-base", help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!")
     parser.add_argument("--tokenizer", type=str, default="unigram-tokenizer-wikitext", help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.")
     parser.add_argument("--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica).")
@@ -92,6 +97,8 @@ def parse_args(argv=None):
             fail(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.learning_rate <= 0 or args.weight_decay_rate < 0:
+        fail(f"--learning_rate must be positive and --weight_decay_rate not negative, got {args.learning_rate} and {args.weight_decay_rate}")
     if args.train_dataset is None:
         fail("--train_dataset is required: a folder of TFRecord shards from tensorflow/prepare_tfrecord_shards.py")
     return args
@@ -271,6 +278,38 @@ def save_atomically(model, tokenizer, output_dir):
     os.rmdir(tmp_dir)
 
 
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
+def lock_output_dir(output_dir):
+    """Hold output_dir/.lock while this process runs, so that a second run into the same folder is refused instead
+    of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
+    so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
+    if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
+        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+    os.makedirs(output_dir, exist_ok=True)
+    lock = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, force=True)
@@ -287,8 +326,11 @@ def main(argv=None):
     output_dir = args.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir} exists and is not a directory")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not args.overwrite_output_dir:
+    if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {".lock"} and not args.overwrite_output_dir:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    check_writable("--output_dir", output_dir)
+    if os.path.isdir(args.pretrained_model_config) and not os.path.isfile(os.path.join(args.pretrained_model_config, "config.json")):
+        fail(f"--pretrained_model_config {args.pretrained_model_config} holds no config.json; write one with tokenizers/create_config.py")
     if args.hub_model_id and not hub_reachable():
         fail(f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
              f"and upload {output_dir} later")
@@ -297,6 +339,7 @@ def main(argv=None):
     training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
     eval_records = find_shards("--eval_dataset", args.eval_dataset, args.max_length)[0] if args.eval_dataset else None
 
+    lock = lock_output_dir(output_dir)
     strategy, strategy_name = choose_strategy(args)
     replicas = strategy.num_replicas_in_sync
     logger.info(f"Strategy: {strategy_name} with {replicas} replica(s)")
@@ -430,6 +473,7 @@ def main(argv=None):
         logger.info(f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_masked_accuracy']:.4f}, "
                     f"perplexity {eval_results['eval_perplexity']:.2f}")
     logger.info(f"Model, tokenizer and results saved to {output_dir}")
+    lock.close()
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ written to --output_dir, and pushed too with --export_to_hub.
 """
 
 import argparse
+import codecs
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import Unigram
@@ -33,6 +36,7 @@ def fail(message):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a unigram tokenizer on the wikitext dataset (or local text files).")
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--dataset_name", type=str, default="wikitext", help="Name of the training dataset on the hub (ignored with --train_file).")
     parser.add_argument("--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the training dataset.")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow datasets defined on the Hub in their own modeling files.")
@@ -65,13 +69,46 @@ def hub_reachable(timeout=5.0):
         return False
 
 
+def check_text_file(flag, path):
+    """A local text file: a file (not a folder), UTF-8 (with the line of the first byte that is not), not blank."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory; pass a text file")
+    if not os.path.isfile(path):
+        fail(f"{flag} {path} does not exist")
+    decoder, line, empty, newline = codecs.getincrementaldecoder("utf-8")(), 1, True, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            empty = empty and not chunk.strip()
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                where = line + chunk.count(newline, 0, e.start)
+                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                     "e.g. with iconv -f latin1 -t utf-8")
+            line += chunk.count(newline)
+    if empty:
+        fail(f"{flag} {path} is empty: it has no non-blank line")
+
+
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
 def load_texts(args):
     """The training texts: the local files' non-blank lines, or the hub dataset's `text` column."""
     if args.train_file:
         texts = []
         for path in args.train_file:
-            if not os.path.isfile(path):
-                fail(f"--train_file {path} does not exist")
+            check_text_file("--train_file", path)
             with open(path, encoding="utf-8") as f:
                 texts.extend(line.rstrip("\n") for line in f if line.strip())
         if not texts:
@@ -110,6 +147,7 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
         fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
+    check_writable("--output_dir", args.output_dir)
     if args.export_to_hub and not hub_reachable():
         fail("--export_to_hub: the Hugging Face Hub is unreachable (offline?); drop --export_to_hub and upload "
              f"{args.output_dir} later")

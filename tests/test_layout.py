@@ -29,7 +29,8 @@ SHARED = ["ModelArguments", "TrainingArguments", "TrainingPlan", "TrainingProgre
           "epoch_batches", "fail", "fetch_metrics", "find_checkpoint", "generate_batch_splits", "hub_reachable", "init_distributed",
           "list_checkpoints", "log_eval", "log_training", "open_hub_repo", "open_summary_writer", "parse_args", "replicate",
           "restore_checkpoint", "save_all_but_transcendentals", "save_checkpoint", "save_pretrained", "setup_logging", "step_flops",
-          "stop_diverged", "train", "unreplicate", "validate_training_args", "write_json", "write_results"]
+          "stop_diverged", "train", "unreplicate", "validate_training_args", "write_json", "write_results", "check_data_file",
+          "check_writable", "validate_model_args", "lock_output_dir", "text_column", "check_attention_heads"]
 PHASES = ["parse_args", "validate_args", "find_checkpoint", "load_raw_datasets", "load_config_and_tokenizer", "resolve_max_seq_length",
           "preprocess", "plan_training", "build_train_state", "make_train_step", "make_eval_step", "train", "evaluate", "write_results"]
 

@@ -74,6 +74,17 @@ def test_resume_continues_exactly(trained, tmp_path):
     assert results(again, "eval")["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-4)
 
 
+def test_checkpoint_of_another_config_is_refused(trained, bad, tmp_path):
+    """Rerunning with another config into a folder with a checkpoint would auto-resume it and die of a size
+    mismatch inside the Trainer: one line saying what differs instead."""
+    out, _, _ = trained
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(out / "checkpoint-30", again / "checkpoint-30")
+    line = bad("--config_overrides", "hidden_size=32", output_dir=again)
+    assert "checkpoint-30 holds a model of another config (hidden_size 64 there, 32 here)" in line
+
+
 def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
     out, args, _ = trained
     again = [a for a in args if a != "--do_train"] + ["--model_name_or_path", str(out)]

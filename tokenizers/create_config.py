@@ -17,7 +17,9 @@ Example:
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 from transformers import CONFIG_MAPPING
 
@@ -95,8 +97,22 @@ def build_config(model_type, vocab_size=None, tokenizer_name=None, config_overri
     return config
 
 
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--model_type", choices=sorted(REFERENCE), required=True)
     parser.add_argument("--vocab_size", type=int, help="default: the tokenizer's size, else the reference model's")
     parser.add_argument("--tokenizer_name", help="tokenizer folder to take vocab size and special token ids from")
@@ -109,7 +125,12 @@ def main(argv=None):
         fail(f"--vocab_size must be positive, got {args.vocab_size}")
     if os.path.exists(os.path.join(args.output_dir, "config.json")) and not args.overwrite_output_dir:
         fail(f"{args.output_dir} already holds a config.json; pass --overwrite_output_dir to replace it")
+    check_writable("--output_dir", args.output_dir)
     config = build_config(args.model_type, args.vocab_size, args.tokenizer_name, args.config_overrides)
+    for heads in ("num_attention_heads", "decoder_attention_heads"):
+        if args.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
+            fail(f"hidden size {config.hidden_size} is not divisible by {getattr(config, heads)} attention heads ({heads}): "
+                 "each head takes an equal slice; change --config_overrides")
     os.makedirs(args.output_dir, exist_ok=True)
     config.save_pretrained(args.output_dir)
     print(f"Saved a {args.model_type} config (vocab {config.vocab_size:,}) to {args.output_dir}/config.json")

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from html.parser import HTMLParser
 
 HANDBOOK_HTML = "./usr/share/doc/debian-handbook/html/"
@@ -138,14 +139,29 @@ def handbook_splits(deb_path, validation_every=20):
     }
 
 
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--corpus", choices=["ptb", "nb_handbook"], default="ptb")
     parser.add_argument("--output_dir", required=True, help="folder for train.txt, validation.txt (and test.txt)")
     parser.add_argument("--deb_file", help="nb_handbook: a local debian-handbook_*.deb instead of apt-get download")
     parser.add_argument("--cache_dir", default=os.path.join(os.path.expanduser("~"), ".cache", "lm-pretraining"),
                         help="nb_handbook: where the downloaded .deb is kept")
     args = parser.parse_args(argv)
+    check_writable("--output_dir", args.output_dir)
 
     if args.corpus == "ptb":
         splits = ptb_splits()

@@ -23,7 +23,9 @@ Example:
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 
 from tokenizers import ByteLevelBPETokenizer, processors
 from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
@@ -35,10 +37,25 @@ def fail(message):
     sys.exit(f"train_tokenizer.py: error: {message}")
 
 
+def check_writable(flag, path):
+    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
+    except OSError as e:
+        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
+
+
 def check_text_files(paths):
     """One clear line for a missing, unreadable or empty file; return the number of lines."""
     total = 0
     for path in paths:
+        if os.path.isdir(path):
+            fail(f"--train_file {path} is a directory; pass a text file")
         if not os.path.isfile(path):
             fail(f"--train_file {path} does not exist")
         with open(path, encoding="utf-8") as f:
@@ -97,6 +114,7 @@ def train_unigram(paths, num_lines, vocab_size, model_max_length, num_sentinels=
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--tokenizer_type", choices=["byte_level_bpe", "unigram"], default="byte_level_bpe")
     parser.add_argument("--train_file", action="append", required=True, help="text file; repeat for several")
     parser.add_argument("--vocab_size", type=int, default=50265)
@@ -115,6 +133,7 @@ def main(argv=None):
         fail(f"--vocab_size {args.vocab_size} is too small for a unigram tokenizer")
     if os.path.exists(os.path.join(args.output_dir, "tokenizer.json")) and not args.overwrite_output_dir:
         fail(f"{args.output_dir} already holds a tokenizer.json; pass --overwrite_output_dir to replace it")
+    check_writable("--output_dir", args.output_dir)
     num_lines = check_text_files(args.train_file)
 
     if args.tokenizer_type == "unigram":
