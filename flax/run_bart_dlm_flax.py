@@ -5,10 +5,23 @@
 
 As upstream: every text is split into sentences, joined as `<s> s1 <pad> s2 <pad> ... </s>` (the
 pad token marks sentence ends inside a block), packed into blocks of --max_seq_length; the collator
-permutes the sentences of each block (--permute_sentence_ratio, 1.0) and replaces spans of tokens with
-one mask token each (text infilling: --mlm_probability 0.3 of the tokens, span lengths from a Poisson
-distribution with mean --poisson_lambda 3.0, zero-length spans dropped); the decoder reconstructs
-the original block (labels; special tokens are not scored).
+permutes the sentences of each block (--permute_sentence_ratio, 1.0) and replaces spans with one mask
+token each (text infilling: --mlm_probability 0.3, span lengths from a Poisson distribution with mean
+--poisson_lambda 3.0); the decoder reconstructs the original block (labels; special tokens are not scored).
+
+The noise is fairseq's (the DenoisingDataset BART was pretrained with), where upstream departs from it
+(each a fix; the flags in brackets bring upstream's behaviour back):
+- Spans start at word starts and run over whole words (`Ġ`/`▁` pieces, or after a special token), so no
+  span cuts a word (`--mask_whole_words false`: spans over sub-word tokens).
+- The budget is per row: ceil(words x --mlm_probability) words in spans whose Poisson lengths are cut to sum
+  to it exactly (upstream drew one budget for the whole batch, so single rows got 14-38 % masked).
+- A zero-length span draw inserts a `<mask>` at a random place (`--insert_zero_length_spans false`: dropped).
+- `--mask_random 0.1` (BART's published run) of the spans and inserts become a random non-special token
+  instead of `<mask>` (`--mask_random 0`).
+- Permutation moves every unit of the block, its tail after the last sentence end included, and a document's
+  last sentence ends at its `</s>`, so no unit glues the end of one document to the start of the next.
+- `--dump_noised_examples N` writes the first N training rows, as training would batch them, with their
+  noised inputs and labels to `output_dir/noised_examples.jsonl`, and exits.
 
 Sentences: upstream uses nltk.sent_tokenize, whose punkt model must be downloaded. This uses
 `sentencex` (rule-based, its rules ship in the wheel, Norwegian included); --sentence_language picks
@@ -32,9 +45,8 @@ they apply):
   `all_results.json` with the Trainer's keys; `--report_to`, `--log_level`. Tokens are never printed.
 - `--dtype bfloat16` computes the dense layers as bf16 products with f32 accumulation on an f32 model
   (upstream's bf16 model is slower than f32 on CPUs).
-- Each row is noised from (seed, epoch, example) alone (upstream draws over the whole batch), so the
-  noise is the same for any batch size, device count or accumulation; evaluation covers every example
-  with the same noise each time.
+- Each row is noised from (seed, epoch, example) alone, so the noise is the same for any batch size,
+  device count or accumulation; evaluation covers every example with the same noise each time.
 - Multi-host: every process builds the same global batch and feeds its own slice; launch with
   `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or under SLURM, Open MPI or on a TPU pod
   slice, where `jax.distributed.initialize()` finds the cluster itself.
@@ -173,6 +185,10 @@ class DataTrainingArguments:
     permute_sentence_ratio: float = field(default=1.0, metadata={"help": "Ratio of sentences to be permuted in each document"})
     poisson_lambda: float = field(default=3.0, metadata={"help": "Mean of Poisson distribution used to generate span-lengths to be masked"})
     sentence_language: str = field(default="en", metadata={"help": "Language code of sentencex's splitting rules (e.g. en, nb)."})
+    mask_whole_words: bool = field(default=True, metadata={"help": "Start and extend masked spans over whole words, as BART was pretrained (false: over sub-word tokens, as upstream)."})
+    mask_random: float = field(default=0.1, metadata={"help": "Share of masked spans (and inserted masks) replaced by a random token instead of <mask>, as fairseq's --mask-random (0.1 in BART's published run; 0 as upstream)."})
+    insert_zero_length_spans: bool = field(default=True, metadata={"help": "Insert a <mask> for each zero-length span draw, as fairseq (false: drop them, as upstream)."})
+    dump_noised_examples: Optional[int] = field(default=None, metadata={"help": "Write the first N noised training rows, in training order, to output_dir/noised_examples.jsonl and exit."})
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
@@ -252,6 +268,11 @@ def validate_args(model_args, data_args, training_args):
         fail(f"--permute_sentence_ratio must be in [0, 1], got {data_args.permute_sentence_ratio}")
     if data_args.poisson_lambda <= 0.0:
         fail(f"--poisson_lambda must be positive, got {data_args.poisson_lambda}")
+    if not 0.0 <= data_args.mask_random <= 1.0:
+        fail(f"--mask_random must be in [0, 1], got {data_args.mask_random}")
+    if data_args.dump_noised_examples is not None and (data_args.dump_noised_examples <= 0 or not training_args.do_train):
+        fail("--dump_noised_examples N shows the first N rows the training run would see: give N > 0 and the run's own "
+             "--do_train command line")
     try:
         from sentencex import segment
 
@@ -462,93 +483,134 @@ def shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id):
 
 @dataclass
 class FlaxDataCollatorForBartDenoisingLM:
-    """BART's noising of blocks `<s> s1 <pad> s2 <pad> ... </s> <s> ...`: sentence permutation, then
-    text infilling. Labels are the original block (special tokens -100); decoder inputs are the
-    labels shifted right."""
+    """BART's noising of blocks `<s> s1 <pad> s2 <pad> ... </s> <s> ...`, as fairseq's DenoisingDataset (the code
+    BART was pretrained with) does it: sentence permutation, then text infilling over whole words with Poisson span
+    lengths, zero-length spans as inserted masks, and a share of spans replaced by a random token. Labels are the
+    original block (special tokens -100); decoder inputs are the labels shifted right. Every row is noised from its
+    own random generator, so the noise of a row does not depend on the rows beside it."""
 
     tokenizer: PreTrainedTokenizerBase
     decoder_start_token_id: int
     mask_ratio: float = 0.3
     poisson_lambda: float = 3.0
     permute_sentence_ratio: float = 1.0
+    mask_whole_words: bool = True
+    mask_random: float = 0.1
+    insert_zero_length_spans: bool = True
+
+    def __post_init__(self):
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        self.special = np.zeros(len(pieces), dtype=bool)
+        self.special[self.tokenizer.all_special_ids] = True
+        # A piece that begins a word carries the word's leading space: byte-level BPE's Ġ, SentencePiece's ▁.
+        self.begins_word = np.array([piece is not None and piece.startswith(("Ġ", "▁")) for piece in pieces])
+        self.random_ids = np.flatnonzero(~self.special)  # random replacements are never special tokens (fairseq's may be)
 
     def __call__(self, examples, seed, row_ids):
-        """Each row is noised from (*seed, row id) alone: the same whatever batch, device count or
-        accumulation step the row falls in."""
+        """Each row is noised from (*seed, row id) alone: the same whatever batch, device count or accumulation step
+        the row falls in."""
         input_ids = np.asarray(examples["input_ids"], dtype=np.int64)
-        rows = [self.noise(input_ids[k : k + 1], np.random.default_rng([*seed, int(i)])) for k, i in enumerate(row_ids)]
-        return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+        rows = [self.noise(row, np.random.default_rng([*seed, int(i)])) for row, i in zip(input_ids, row_ids, strict=True)]
+        return {key: np.stack([r[key] for r in rows]) for key in rows[0]}
 
-    def noise(self, input_ids, rng):
-        """Permute and infill the rows of `input_ids` with draws from the numpy Generator `rng`."""
+    def noise(self, row, rng):
+        """One block's model inputs: permute its sentences, infill spans, insert masks, re-pad to the block length."""
         pad = self.tokenizer.pad_token_id
-        labels = input_ids.copy()
-        batch = {"decoder_input_ids": shift_tokens_right(labels, pad, self.decoder_start_token_id)}
+        labels = row.copy()
         if self.permute_sentence_ratio > 0.0:
-            input_ids = self.permute_sentences(input_ids, rng)
+            row = self.permute_sentences(row, rng)
+        mask = np.zeros(len(row), dtype=bool)
         if self.mask_ratio:
-            input_ids, mask = self.span_mask_tokens(input_ids, rng)
+            lengths = self.span_lengths(int(math.ceil(self.word_starts(row).sum() * self.mask_ratio)), rng)
+            row, mask = self.mask_spans(row, lengths[lengths > 0], rng)
+            if self.insert_zero_length_spans:
+                row = self.insert_masks(row, int((lengths == 0).sum()), len(labels), rng)
             if self.permute_sentence_ratio == 0.0:
                 labels[~mask] = -100  # as upstream: without permutation only the infilled tokens are scored
-        labels[np.isin(labels, self.tokenizer.all_special_ids)] = -100  # the original, special tokens unscored
-        batch.update(input_ids=input_ids, labels=labels, attention_mask=(input_ids != pad).astype(np.int64),
-                     decoder_attention_mask=(batch["decoder_input_ids"] != pad).astype(np.int64))
+        labels[self.special[np.maximum(labels, 0)]] = -100  # the original, special tokens unscored
+        input_ids = np.full(len(labels), pad, dtype=np.int64)
+        input_ids[: len(row)] = row
+        decoder_input_ids = shift_tokens_right(labels[None], pad, self.decoder_start_token_id)[0]
+        batch = dict(input_ids=input_ids, labels=labels, attention_mask=input_ids != pad, decoder_input_ids=decoder_input_ids,
+                     decoder_attention_mask=decoder_input_ids != pad)
         return {k: v.astype(np.int32) for k, v in batch.items()}
 
     def sentences(self, row):
-        """Split a block at its sentence ends (the pad tokens, kept with their sentence)."""
-        ends = np.flatnonzero(row == self.tokenizer.pad_token_id) + 1
+        """The units permutation moves: sentences (ending with the separator, the pad token), documents' last sentences
+        (ending with </s>, so no unit glues one document to the next) and the block's tail."""
+        ends = np.flatnonzero((row == self.tokenizer.pad_token_id) | (row == self.tokenizer.eos_token_id)) + 1
         return [part for part in np.split(row, ends) if len(part)]
 
-    def permute_sentences(self, input_ids, rng):
-        """Shuffle ceil(n * ratio) of the n pad-terminated sentences of each row among their own places;
-        the tail after the last sentence end stays where it is (as upstream)."""
-        results = input_ids.copy()
-        for i, row in enumerate(input_ids):
-            ends = np.flatnonzero(row == self.tokenizer.pad_token_id) + 1
-            if len(ends) < 2:
-                continue
-            parts = np.split(row[: ends[-1]], ends[:-1])
-            num_to_permute = int(np.ceil(len(parts) * self.permute_sentence_ratio))
-            substitutions = rng.permutation(len(parts))[:num_to_permute]
-            ordering = np.arange(len(parts))
-            ordering[substitutions] = substitutions[rng.permutation(num_to_permute)]
-            results[i, : ends[-1]] = np.concatenate([parts[j] for j in ordering])
-        return results
+    def permute_sentences(self, row, rng):
+        """Shuffle ceil(n * ratio) of the block's n units among their own places (fairseq's rule)."""
+        parts = self.sentences(row)
+        if len(parts) < 2:
+            return row
+        num_to_permute = int(math.ceil(len(parts) * self.permute_sentence_ratio))
+        substitutions = rng.permutation(len(parts))[:num_to_permute]
+        ordering = np.arange(len(parts))
+        ordering[substitutions] = substitutions[rng.permutation(num_to_permute)]
+        return np.concatenate([parts[j] for j in ordering])
 
-    def span_lengths(self, num_tokens_to_mask, rng):
-        """Poisson span lengths, zero-length spans dropped, cut where their sum is closest to the target."""
-        lengths = rng.poisson(lam=self.poisson_lambda, size=(num_tokens_to_mask,))
-        while np.cumsum(lengths)[-1] < num_tokens_to_mask:
-            lengths = np.concatenate([lengths, rng.poisson(lam=self.poisson_lambda, size=(num_tokens_to_mask,))])
-        lengths = lengths[lengths > 0]
-        cutoff = np.argmin(np.abs(np.cumsum(lengths) - num_tokens_to_mask)) + 1
-        return lengths[:cutoff]
+    def word_starts(self, row):
+        """Where a span may start: with --mask_whole_words, a token that begins a word (or follows a special token, or
+        begins the block); else any token. Special tokens are never masked."""
+        special = self.special[row]
+        if not self.mask_whole_words:
+            return ~special
+        return (self.begins_word[row] | np.concatenate([[True], special[:-1]])) & ~special
 
-    def span_mask_tokens(self, input_ids, rng):
-        """Text infilling: spans start at random maskable tokens, run right (not past the row), and
-        each span collapses into one mask token; the rows are re-padded to the block length."""
-        special = np.isin(input_ids, self.tokenizer.all_special_ids)
-        is_token = ~special
-        num_tokens_to_mask = int(math.ceil(is_token.sum() * self.mask_ratio))
-        if num_tokens_to_mask == 0:
-            return input_ids, np.zeros(input_ids.shape, dtype=bool)
-        lengths = self.span_lengths(num_tokens_to_mask, rng)
-        token_indices = np.argwhere(is_token)
-        starts = token_indices[rng.permutation(len(token_indices))[: len(lengths)]]
+    def span_lengths(self, num_to_mask, rng):
+        """Poisson span lengths (in words, or tokens) drawn until they cover num_to_mask, the last one cut so that they
+        sum to it exactly (fairseq's rule). Zero-length draws stay in: each becomes an inserted mask."""
+        if num_to_mask == 0:
+            return np.zeros(0, dtype=np.int64)
+        lengths = rng.poisson(lam=self.poisson_lambda, size=(num_to_mask,))
+        while lengths.sum() < num_to_mask:
+            lengths = np.concatenate([lengths, rng.poisson(lam=self.poisson_lambda, size=(num_to_mask,))])
+        last = int(np.searchsorted(np.cumsum(lengths), num_to_mask))
+        lengths = lengths[: last + 1]
+        lengths[last] = num_to_mask - lengths[:last].sum()
+        return lengths
+
+    def mask_spans(self, row, lengths, rng):
+        """Text infilling: spans of `lengths` words start at distinct random word starts and end at a word start, a
+        special token or the block's end. Each span becomes one token, <mask> or (with probability --mask_random) a
+        random one; a span that starts inside another is merged into it. Returns the shorter row and the mask of
+        the original positions that were noised."""
+        starts_ok = self.word_starts(row)
+        candidates = np.flatnonzero(starts_ok)
+        starts = candidates[rng.permutation(len(candidates))[: len(lengths)]]
         lengths = lengths[: len(starts)]
-        mask = np.zeros(input_ids.shape, dtype=bool)
-        for (row, col), length in zip(starts, lengths, strict=True):
-            mask[row, col : col + length] = True
-        mask &= ~special  # spans never swallow sentence ends or block boundaries
-        input_ids = np.where(mask, self.tokenizer.mask_token_id, input_ids)
-        to_remove = mask & np.roll(mask, 1, axis=1)  # keep one mask token per span
-        to_remove[:, 0] = False
-        new_input_ids = np.full_like(input_ids, self.tokenizer.pad_token_id)
-        for i, row in enumerate(input_ids):
-            kept = row[~to_remove[i]]
-            new_input_ids[i, : len(kept)] = kept
-        return new_input_ids, mask
+        is_random = rng.random(len(starts)) < self.mask_random
+        word_ends = np.append(candidates, len(row))[np.minimum(np.searchsorted(candidates, starts) + lengths, len(candidates))]
+        specials = np.append(np.flatnonzero(self.special[row]), len(row))
+        ends = np.minimum(word_ends, specials[np.searchsorted(specials, starts)])
+        mask, inside = np.zeros(len(row), dtype=bool), np.zeros(len(row), dtype=bool)
+        for start, end in zip(starts, ends, strict=True):
+            mask[start:end] = True
+            inside[start + 1 : end] = True
+        noised = row.copy()
+        noised[starts] = self.tokenizer.mask_token_id
+        noised[starts[is_random]] = rng.choice(self.random_ids, size=int(is_random.sum()))
+        return noised[~inside], mask
+
+    def insert_masks(self, row, count, block_length, rng):
+        """fairseq's insertion noise: `count` tokens at random places between the row's first and last token,
+        ceil(count * --mask_random) of them random, the rest <mask>; only as many as the block has room for."""
+        count = min(count, block_length - len(row))
+        if count <= 0 or len(row) < 2:
+            return row
+        total = len(row) + count
+        positions = rng.permutation(total - 2)[:count] + 1
+        num_random = int(math.ceil(count * self.mask_random))
+        result = np.empty(total, dtype=row.dtype)
+        inserted = np.zeros(total, dtype=bool)
+        inserted[positions] = True
+        result[~inserted] = row
+        result[positions] = self.tokenizer.mask_token_id
+        result[positions[:num_random]] = rng.choice(self.random_ids, size=num_random)
+        return result
 
 
 def collate_batch(examples, seed, row_ids, num_rows, collator, pad_token_id):
@@ -577,6 +639,29 @@ def generate_batch_splits(samples_idx, batch_size, drop_last=True):
 def epoch_batches(num_examples, batch_size, seed, epoch):
     """The example indices of every full batch of an epoch: a permutation drawn from (seed, epoch) alone."""
     return generate_batch_splits(np.random.default_rng([seed, epoch]).permutation(num_examples), batch_size)
+
+
+def dump_noised_examples(dataset, make_batch, plan, seed, tokenizer, count, output_dir):
+    """Write the first `count` rows of the first epoch, batched and noised as training would, to
+    output_dir/noised_examples.jsonl: the block before noise, the encoder input (trailing padding left out) and
+    the labels (-100 kept), with the first two decoded, to see what the model is asked to do."""
+    path, written = os.path.join(output_dir, "noised_examples.jsonl"), 0
+    with open(path, "w") as f:
+        for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
+            rows = np.sort(batch_rows)
+            examples = dataset[rows]
+            batch = make_batch(examples, (seed, 0), rows, len(rows))
+            for k, row in enumerate(rows[: count - written]):
+                inputs = batch["input_ids"][k]
+                inputs = inputs[: (np.flatnonzero(inputs != tokenizer.pad_token_id)[-1:] + 1).sum()].tolist()
+                original = list(examples["input_ids"][k])
+                f.write(json.dumps({"batch": index, "row": int(row), "original_ids": original, "input_ids": inputs,
+                                    "labels": batch["labels"][k].tolist(), "original_text": tokenizer.decode(original),
+                                    "input_text": tokenizer.decode(inputs)}) + "\n")
+                written += 1
+            if written == count:
+                break
+    logger.info(f"wrote {written} noised training rows to {path}")
 
 
 # --- model and optimizer ---------------------------------------------------------------------------------------
@@ -1249,6 +1334,17 @@ def main(argv=None):
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
     dataset = preprocess(raw_datasets, data_args, tokenizer, max_seq_length)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
+    collator = FlaxDataCollatorForBartDenoisingLM(
+        tokenizer=tokenizer, decoder_start_token_id=config.decoder_start_token_id, mask_ratio=data_args.mlm_probability,
+        poisson_lambda=data_args.poisson_lambda, permute_sentence_ratio=data_args.permute_sentence_ratio,
+        mask_whole_words=data_args.mask_whole_words, mask_random=data_args.mask_random,
+        insert_zero_length_spans=data_args.insert_zero_length_spans)
+    make_batch = functools.partial(collate_batch, collator=collator, pad_token_id=tokenizer.pad_token_id)
+    if data_args.dump_noised_examples:
+        if plan.process_index == 0:
+            dump_noised_examples(dataset["train"], make_batch, plan, training_args.seed, tokenizer, data_args.dump_noised_examples,
+                                 training_args.output_dir)
+        return
     hub = open_hub_repo(training_args)
 
     model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=checkpoint is not None)
@@ -1258,10 +1354,6 @@ def main(argv=None):
     logger.info(f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
                 f"{plan.num_devices} devices ({plan.local_devices} local), blocks of {max_seq_length} tokens")
     bf16 = model_args.dtype == "bfloat16"
-    collator = FlaxDataCollatorForBartDenoisingLM(
-        tokenizer=tokenizer, decoder_start_token_id=config.decoder_start_token_id, mask_ratio=data_args.mlm_probability,
-        poisson_lambda=data_args.poisson_lambda, permute_sentence_ratio=data_args.permute_sentence_ratio)
-    make_batch = functools.partial(collate_batch, collator=collator, pad_token_id=tokenizer.pad_token_id)
     evaluate_fn = None
     if training_args.do_eval:
         evaluate_fn = functools.partial(evaluate, eval_step=make_eval_step(model, config, bf16), dataset=dataset["validation"],

@@ -31,7 +31,13 @@ they apply):
 - Evaluation covers every example and draws each example's spans from (seed, index), so it is the same
   whatever the batching. The tokenizer of tokenizers/train_tokenizer.py --tokenizer_type unigram carries
   100 sentinel tokens above its vocabulary, so sentinels never overwrite real words (upstream's README
-  tokenizer has none, and its sentinel ids are real pieces).
+  tokenizer has none, and its sentinel ids are real pieces). A tokenizer without sentinels, or a setting with
+  more noise spans per block than the tokenizer has sentinels (density 0.5, spans of 3 and 512 inputs make
+  128), is refused before any work.
+- Short blocks and low densities: the block and target lengths count the noise as the mask is drawn (at
+  least one noise token), so lengths where length x density rounds to 0 work instead of failing.
+- `--dump_noised_examples N` writes the first N training rows, as training would batch them, with their
+  inputs and targets to `output_dir/noised_examples.jsonl`, and exits.
 - Multi-host: every process builds the same global batch and feeds its own slice; launch with
   `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or under SLURM, Open MPI or on a TPU pod
   slice, where `jax.distributed.initialize()` finds the cluster itself.
@@ -168,6 +174,7 @@ class DataTrainingArguments:
     preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "The number of processes to use for the preprocessing."})
     mlm_probability: float = field(default=0.15, metadata={"help": "Ratio of tokens to mask for span masked language modeling loss"})
     mean_noise_span_length: float = field(default=3.0, metadata={"help": "Mean span length of masked tokens"})
+    dump_noised_examples: Optional[int] = field(default=None, metadata={"help": "Write the first N noised training rows, in training order, to output_dir/noised_examples.jsonl and exit."})
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
@@ -245,6 +252,9 @@ def validate_args(model_args, data_args, training_args):
         fail(f"--mlm_probability (the noise density) must be in (0, 1), got {data_args.mlm_probability}")
     if data_args.mean_noise_span_length < 1.0:
         fail(f"--mean_noise_span_length must be at least 1, got {data_args.mean_noise_span_length}")
+    if data_args.dump_noised_examples is not None and (data_args.dump_noised_examples <= 0 or not training_args.do_train):
+        fail("--dump_noised_examples N shows the first N rows the training run would see: give N > 0 and the run's own "
+             "--do_train command line")
     validate_training_args(training_args)
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
         fail(f"--model_type {model_args.model_type!r} is not t5: this script trains T5")
@@ -430,15 +440,24 @@ def preprocess(raw_datasets, data_args, tokenizer, expanded_inputs_length):
     return lm_datasets
 
 
+def noise_counts(length, noise_density, mean_noise_span_length):
+    """(noise tokens, noise spans) in a block of `length` tokens, as T5's random_spans_noise_mask counts them: at
+    least one noise and one non-noise token (so no span list is empty at short lengths or low densities), and at
+    least one span."""
+    num_noise_tokens = min(max(int(np.round(length * noise_density)), 1), length - 1)
+    num_noise_spans = max(int(np.round(min(num_noise_tokens, length - num_noise_tokens) / mean_noise_span_length)), 1)
+    return num_noise_tokens, num_noise_spans
+
+
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
     """The token count to cut blocks at so that, after span corruption, the inputs have exactly
-    inputs_length tokens; and the resulting targets length. As T5's random_spans_helper."""
+    inputs_length tokens; and the resulting targets length. As T5's random_spans_helper, with the noise
+    counted as the mask is drawn (T5's helper skips the clamp to one noise token, so at lengths where
+    length x density rounds to 0 its lengths and its mask disagree)."""
 
     def _tokens_length_to_inputs_length_targets_length(tokens_length):
-        num_noise_tokens = int(round(tokens_length * noise_density))
+        num_noise_tokens, num_noise_spans = noise_counts(tokens_length, noise_density, mean_noise_span_length)
         num_nonnoise_tokens = tokens_length - num_noise_tokens
-        # as random_spans_noise_mask counts them (the same as T5's for densities up to 0.5)
-        num_noise_spans = max(int(round(min(num_noise_tokens, num_nonnoise_tokens) / mean_noise_span_length)), 1)
         # inputs: all non-noise tokens, a sentinel per noise span, EOS; targets: noise tokens, sentinels, EOS
         _input_length = num_nonnoise_tokens + num_noise_spans + 1
         _output_length = num_noise_tokens + num_noise_spans + 1
@@ -527,11 +546,8 @@ class FlaxDataCollatorForT5MLM:
     def random_spans_noise_mask(self, length, rng):
         """A boolean noise mask of `length` tokens: about noise_density of them noise, in spans of mean
         length mean_noise_span_length, alternating non-noise/noise and starting with non-noise."""
-        num_noise_tokens = int(np.round(length * self.noise_density))
+        num_noise_tokens, num_noise_spans = noise_counts(length, self.noise_density, self.mean_noise_span_length)
         num_nonnoise_tokens = length - num_noise_tokens
-        num_noise_tokens = min(max(num_noise_tokens, 1), length - 1)  # at least one of each
-        num_noise_spans = int(np.round(min(num_noise_tokens, num_nonnoise_tokens) / self.mean_noise_span_length))
-        num_noise_spans = max(num_noise_spans, 1)
 
         def _random_segmentation(num_items, num_segments):
             """Split num_items into num_segments non-empty parts at random; return their lengths."""
@@ -578,6 +594,29 @@ def generate_batch_splits(samples_idx, batch_size, drop_last=True):
 def epoch_batches(num_examples, batch_size, seed, epoch):
     """The example indices of every full batch of an epoch: a permutation drawn from (seed, epoch) alone."""
     return generate_batch_splits(np.random.default_rng([seed, epoch]).permutation(num_examples), batch_size)
+
+
+def dump_noised_examples(dataset, make_batch, plan, seed, tokenizer, count, output_dir):
+    """Write the first `count` rows of the first epoch, batched and noised as training would, to
+    output_dir/noised_examples.jsonl: the block before noise, the encoder input (trailing padding left out) and
+    the labels (-100 kept), with the first two decoded, to see what the model is asked to do."""
+    path, written = os.path.join(output_dir, "noised_examples.jsonl"), 0
+    with open(path, "w") as f:
+        for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
+            rows = np.sort(batch_rows)
+            examples = dataset[rows]
+            batch = make_batch(examples, (seed, 0), rows, len(rows))
+            for k, row in enumerate(rows[: count - written]):
+                inputs = batch["input_ids"][k]
+                inputs = inputs[: (np.flatnonzero(inputs != tokenizer.pad_token_id)[-1:] + 1).sum()].tolist()
+                original = list(examples["input_ids"][k])
+                f.write(json.dumps({"batch": index, "row": int(row), "original_ids": original, "input_ids": inputs,
+                                    "labels": batch["labels"][k].tolist(), "original_text": tokenizer.decode(original),
+                                    "input_text": tokenizer.decode(inputs)}) + "\n")
+                written += 1
+            if written == count:
+                break
+    logger.info(f"wrote {written} noised training rows to {path}")
 
 
 # --- model and optimizer ---------------------------------------------------------------------------------------
@@ -647,6 +686,12 @@ def resolve_max_seq_length(data_args, config, tokenizer):
             max_seq_length, data_args.mlm_probability, data_args.mean_noise_span_length)
     except ValueError as e:
         fail(f"--max_seq_length {max_seq_length}: {e}; try a length one longer or shorter")
+    spans = noise_counts(expanded_inputs_length, data_args.mlm_probability, data_args.mean_noise_span_length)[1]
+    if spans > count_sentinels(tokenizer):
+        fail(f"--max_seq_length {max_seq_length} at --mlm_probability {data_args.mlm_probability} and --mean_noise_span_length "
+             f"{data_args.mean_noise_span_length} makes {spans} noise spans per block, but the tokenizer has {count_sentinels(tokenizer)} "
+             f"<extra_id_N> sentinels (one per span); use a shorter length, longer spans, a lower density, or a tokenizer with "
+             f"at least {spans} sentinels")
     return max_seq_length, expanded_inputs_length, targets_length
 
 @dataclass
@@ -1265,6 +1310,16 @@ def main(argv=None):
     max_seq_length, expanded_inputs_length, targets_length = resolve_max_seq_length(data_args, config, tokenizer)
     dataset = preprocess(raw_datasets, data_args, tokenizer, expanded_inputs_length)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
+    collator = FlaxDataCollatorForT5MLM(
+        tokenizer=tokenizer, noise_density=data_args.mlm_probability, mean_noise_span_length=data_args.mean_noise_span_length,
+        input_length=max_seq_length, target_length=targets_length, pad_token_id=config.pad_token_id,
+        decoder_start_token_id=config.decoder_start_token_id)
+    make_batch = functools.partial(collate_batch, collator=collator, pad_token_id=config.pad_token_id)
+    if data_args.dump_noised_examples:
+        if plan.process_index == 0:
+            dump_noised_examples(dataset["train"], make_batch, plan, training_args.seed, tokenizer, data_args.dump_noised_examples,
+                                 training_args.output_dir)
+        return
     hub = open_hub_repo(training_args)
 
     model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=checkpoint is not None)
@@ -1275,11 +1330,6 @@ def main(argv=None):
                 f"{plan.num_devices} devices ({plan.local_devices} local), inputs {max_seq_length} tokens (blocks of "
                 f"{expanded_inputs_length}), targets {targets_length}")
     bf16 = model_args.dtype == "bfloat16"
-    collator = FlaxDataCollatorForT5MLM(
-        tokenizer=tokenizer, noise_density=data_args.mlm_probability, mean_noise_span_length=data_args.mean_noise_span_length,
-        input_length=max_seq_length, target_length=targets_length, pad_token_id=config.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id)
-    make_batch = functools.partial(collate_batch, collator=collator, pad_token_id=config.pad_token_id)
     evaluate_fn = None
     if training_args.do_eval:
         evaluate_fn = functools.partial(evaluate, eval_step=make_eval_step(model, config, bf16), dataset=dataset["validation"],

@@ -19,7 +19,9 @@ def make_collator(tokenizer, length, density, span):
     return collator, expanded, targets
 
 
-SETTINGS = [(64, 0.15, 3.0), (128, 0.15, 3.0), (512, 0.15, 3.0), (100, 0.3, 2.0), (37, 0.5, 1.0), (256, 0.15, 8.0)]
+# The last three: length x density rounds to 0 noise tokens (T5's mask then takes one; its length helper did not).
+SETTINGS = [(64, 0.15, 3.0), (128, 0.15, 3.0), (512, 0.15, 3.0), (100, 0.3, 2.0), (37, 0.5, 1.0), (256, 0.15, 8.0),
+            (8, 0.05, 3.0), (11, 0.05, 3.0), (4, 0.15, 3.0)]
 
 
 @pytest.mark.parametrize("length,density,span", SETTINGS)
@@ -55,6 +57,7 @@ def test_span_corruption_spec(t5_dir, length, density, span):
         rebuilt = [piece for t in inputs for piece in (spans[t] if t > 999 else [t])]
         assert rebuilt == ids[row].tolist()
         noise = sum(len(v) for v in spans.values())
+        assert noise >= 1 and len(rebuilt) - noise >= 1
         assert noise == int(round(expanded * density)) or noise in (1, expanded - 1)
 
 
@@ -111,3 +114,33 @@ def test_bad_input(t5_dir, corpus, tmp_path):
     assert "--mlm_probability" in error_line(run(base + ["--mlm_probability", "1.5"]), "run_t5_mlm_flax.py")
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_t5_mlm_flax.py")
+
+
+def test_more_noise_spans_than_sentinels_is_refused(t5_dir, corpus, tmp_path):
+    """Density 0.5, spans of 3 and 512 inputs make 128 spans, more than the tokenizer's 100 sentinels."""
+    args = script_args(SCRIPT, "t5", t5_dir, corpus, tmp_path / "o", "--max_seq_length", "512", "--mlm_probability", "0.5", "--do_train")
+    line = error_line(run(args), "run_t5_mlm_flax.py")
+    assert "makes 128 noise spans per block, but the tokenizer has 100 <extra_id_N> sentinels" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_dump_noised_examples(t5_dir, corpus, tmp_path):
+    """The first rows of the first epoch in training order, each rebuilt exactly from its input and target."""
+    args = script_args(SCRIPT, "t5", t5_dir, corpus, tmp_path, "--max_seq_length", "32", "--per_device_train_batch_size", "4",
+                       "--do_train", "--dump_noised_examples", "10")
+    check_ok(run(args))
+    rows = [json.loads(line) for line in (tmp_path / "noised_examples.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and [r["batch"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 2
+    assert [r["row"] for r in rows[:4]] == sorted(r["row"] for r in rows[:4])  # a batch's rows in the order training uses
+    eos = AutoTokenizer.from_pretrained(t5_dir).eos_token_id
+    for r in rows:
+        assert len(r["input_ids"]) == 32 and r["input_ids"][-1] == r["labels"][-1] == eos
+        spans, current = {}, None
+        for t in r["labels"][:-1]:
+            if t >= 1000:
+                current = spans.setdefault(t, [])
+            else:
+                current.append(t)
+        assert [p for t in r["input_ids"][:-1] for p in (spans[t] if t >= 1000 else [t])] == r["original_ids"]
+        assert "<extra_id_0>" in r["input_text"] and r["original_text"]
+    assert not (tmp_path / "checkpoint-0").exists() and not (tmp_path / "flax_model.msgpack").exists()
