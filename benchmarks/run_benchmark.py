@@ -359,20 +359,26 @@ def run_tool(args, what):
         fail(f"{what} failed: {lines[-1] if lines else proc.returncode}")
 
 
-def prepare_data(work, args, size, bar):
-    """Corpus, tokenizer and config (cached in the work folder), then the pre-masked batches."""
+def prepare_files(work, args, size):
+    """Corpus, tokenizer (cached in the work folder) and the size's config (dropout 0)."""
     corpus, tok = work / "ptb", work / "tokenizer"
     if not (corpus / "train.txt").is_file():
         run_tool(["tokenizers/prepare_corpus.py", "--corpus", "ptb", "--output_dir", str(corpus)], "prepare_corpus.py")
     if not (tok / "tokenizer.json").is_file():
         run_tool(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "8192",
                   "--min_frequency", "2", "--output_dir", str(tok), "--overwrite_output_dir"], "train_tokenizer.py")
-    bar.update(1)
     config_dir = work / f"config-{args.size}"
     overrides = ",".join(f"{k}={size[k]}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
     run_tool(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(tok), "--output_dir", str(config_dir),
               "--overwrite_output_dir", "--config_overrides", overrides + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"],
              "create_config.py")
+    return corpus, tok, config_dir
+
+
+def prepare_data(work, args, size, bar):
+    """The files, preprocessing throughput, then the pre-masked batches."""
+    corpus, tok, config_dir = prepare_files(work, args, size)
+    bar.update(1)
 
     # Preprocessing throughput: tokenize, then group with the linear-time group_texts and with upstream's sum(lists, []).
     from datasets import Dataset, disable_progress_bars
@@ -435,19 +441,29 @@ def machine_info():
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 
-def summarize(name, result, flops, peaks, warmup_steps, size):
+def summarize(name, results, flops, peaks, warmup_steps, size):
+    """One mode's row from its repeats: the median over repeats of each repeat's median step, with the range."""
     framework, precision, what = MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision, "what": what}
-    if "error" in result or "skipped" in result:
-        return {**row, **result}
-    steady = result["times"][warmup_steps:]
-    step_s = float(np.median(steady))
+    failed = next((r for r in results if "error" in r or "skipped" in r), None)
+    if failed is not None:
+        return {**row, **failed}
+    by_repeat = [1000 * float(np.median(r["times"][warmup_steps:])) for r in results]
+    step_s = float(np.median(by_repeat)) / 1000
     achieved = flops / step_s / 1e9
-    row.update(result)
-    row.update(first_step_s=result["times"][0], step_ms=1000 * step_s, step_ms_spread=[1000 * min(steady), 1000 * max(steady)],
+    row.update({k: v for k, v in results[0].items() if k != "times"})
+    row.update(repeats=len(results), step_ms_by_repeat=by_repeat, times_by_repeat=[r["times"] for r in results],
+               first_step_s=float(np.median([r["times"][0] for r in results])), step_ms=1000 * step_s,
+               step_ms_range=[min(by_repeat), max(by_repeat)], peak_rss_mb=max(r["peak_rss_mb"] for r in results),
                tokens_per_s=size["batch_size"] * size["seq_len"] / step_s, gflops=achieved,
-               mfu=achieved / peaks[precision], mfu_vs_bf16_peak=achieved / peaks["bf16"], final_loss=result["losses"][-1])
+               mfu=achieved / peaks[precision], mfu_vs_bf16_peak=achieved / peaks["bf16"], final_loss=results[0]["losses"][-1])
     return row
+
+
+def per_round(a, b):
+    """a's step time over b's, round by round: 'median [min-max]'."""
+    ratios = [x / y for x, y in zip(a["step_ms_by_repeat"], b["step_ms_by_repeat"], strict=True)]
+    return f"{np.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def write_outputs(out, report):
@@ -472,12 +488,15 @@ def write_outputs(out, report):
         f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
         f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 {report['matmul']['peak']['bf16']:.0f} GFLOP/s.",
         "",
-        "| mode | precision | how | first step (s) | step (ms) | tokens/s | GFLOP/s | MFU | MFU vs bf16 peak | peak RSS (MB) | loss after last step |",
+        f"Every mode ran {w['repeats']} times, interleaved (A B C A B C ...); step (ms) is the median over the repeats, with their range.",
+        "",
+        "| mode | precision | how | first step (s) | step (ms), median (min-max) | tokens/s | GFLOP/s | MFU | MFU vs bf16 peak | peak RSS (MB) | loss after last step |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "step_ms" in r:
-            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | {r['step_ms']:.1f} | "
+            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | "
+                         f"{r['step_ms']:,.1f} ({r['step_ms_range'][0]:,.1f}-{r['step_ms_range'][1]:,.1f}) | "
                          f"{r['tokens_per_s']:,.0f} | {r['gflops']:.1f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_vs_bf16_peak']:.1f} % | "
                          f"{r['peak_rss_mb']:,.0f} | {r['final_loss']:.4f} |")
         else:
@@ -506,9 +525,12 @@ def write_outputs(out, report):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["mode"] for r in ok]
     colors = ["tab:blue" if r["framework"] == "flax" else "tab:orange" if r["framework"].startswith("pytorch") else "tab:green" for r in ok]
-    axes[0].bar(names, [r["tokens_per_s"] for r in ok], color=colors)
-    axes[0].set_ylabel("training tokens/s")
-    axes[1].bar(names, [100 * r["mfu"] for r in ok], color=colors)
+    tokens = w["batch_size"] * w["seq_len"] * 1000
+    spread = np.array([[r["tokens_per_s"] - tokens / r["step_ms_range"][1], tokens / r["step_ms_range"][0] - r["tokens_per_s"]] for r in ok]).T
+    axes[0].bar(names, [r["tokens_per_s"] for r in ok], yerr=spread, capsize=3, color=colors)
+    axes[0].set_ylabel(f"training tokens/s (median, min-max of {w['repeats']})")
+    axes[1].bar(names, [100 * r["mfu"] for r in ok], yerr=spread * np.array([[100 * r["mfu"] / r["tokens_per_s"] for r in ok]]),
+                capsize=3, color=colors)
     axes[1].set_ylabel("MFU, % of matmul peak (same precision)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)
@@ -528,8 +550,8 @@ def goals(rows, peaks):
     if flax_best and others:
         fastest = min(others, key=lambda r: r["step_ms"])
         out.append(f"Flax's fastest mode ({flax_best['mode']}, {flax_best['step_ms']:.1f} ms) vs the fastest other mode "
-                   f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {fastest['step_ms'] / flax_best['step_ms']:.2f}x as fast (goal >= 1.0x); "
-                   + ", ".join(f"{r['mode']} {r['step_ms'] / flax_best['step_ms']:.2f}x" for r in others))
+                   f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {per_round(fastest, flax_best)} as fast, per round, median "
+                   "[min-max] (goal >= 1.0x); " + ", ".join(f"{r['mode']} {per_round(r, flax_best)}" for r in others))
         out.append(f"Flax ({flax_best['mode']}) vs the bf16 matmul peak ({peaks['bf16']:.0f} GFLOP/s): "
                    f"{100 * flax_best['gflops'] / peaks['bf16']:.1f} % (goal >= 60 %)")
         torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
@@ -546,6 +568,179 @@ def goals(rows, peaks):
     return out
 
 
+# --- end to end: the real scripts -------------------------------------------------------------------
+
+# name: (framework, precision, script and flags beyond the shared ones)
+E2E_MODES = {
+    "flax": ("flax", "fp32", ["flax/run_mlm_flax.py", "--model_type", "roberta"]),
+    "flax_bf16": ("flax", "bf16", ["flax/run_mlm_flax.py", "--model_type", "roberta", "--dtype", "bfloat16"]),
+    "torch": ("pytorch", "fp32", ["pytorch/run_mlm.py"]),
+    "torch_bf16": ("pytorch", "bf16", ["pytorch/run_mlm.py", "--bf16"]),
+    "torch_xla": ("pytorch/xla", "fp32", ["pytorch/xla_spawn.py", "--num_cores", "1", "pytorch/run_mlm.py"]),
+}
+E2E_NOT_RUN = {"tensorflow": "tensorflow/run_mlm.py trains whole epochs with the walkthrough's fixed 5 % warm-up and evaluates once "
+                             "per epoch: it has no --max_steps, --warmup_steps or --eval_steps to match the others' schedule"}
+
+
+def run_measured(argv, env, log_path):
+    """Run a command as a user would; return (exit code, wall seconds, peak RSS in MB of the process tree's largest
+    process, from wait4)."""
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - started, usage.ru_maxrss / 1024
+
+
+def eval_curve(output_dir, launched):
+    """(step, eval loss, seconds since launch) of every evaluation the script logged to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points = {}
+    for events in Path(output_dir, "runs").rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if "eval/loss" in accumulator.Tags()["scalars"]:
+            points.update({e.step: (e.step, e.value, e.wall_time - launched) for e in accumulator.Scalars("eval/loss")})
+    return [points[step] for step in sorted(points)]
+
+
+def end_to_end_mode(name, args, files, size, work):
+    """Run one framework's script on the shared corpus, tokenizer, initial weights and schedule; its row."""
+    framework, precision, script = E2E_MODES[name]
+    row = {"mode": name, "framework": framework, "precision": precision}
+    python, env = sys.executable, {k: v for k, v in os.environ.items() if k not in ("USE_TF", "USE_TORCH", "USE_FLAX")}
+    if name == "torch_xla":
+        if not os.path.exists(args.xla_python):
+            return {**row, "skipped": f"no PyTorch/XLA environment at {args.xla_python} (bash run.sh setup-xla)"}
+        python, env = args.xla_python, {**env, "PJRT_DEVICE": "CPU"}
+    out = work / "e2e" / name
+    weights = files["init"] / ("flax" if framework == "flax" else "pytorch")
+    shared = ["--output_dir", str(out), "--overwrite_output_dir", "--model_name_or_path", str(weights), "--tokenizer_name", str(files["tokenizer"]),
+              "--train_file", str(files["train"]), "--validation_file", str(files["validation"]), "--max_seq_length", str(size["seq_len"]),
+              "--per_device_train_batch_size", str(size["batch_size"]), "--per_device_eval_batch_size", str(size["batch_size"]),
+              "--learning_rate", str(files["learning_rate"]), "--warmup_steps", str(args.steps // 10), "--weight_decay", str(WEIGHT_DECAY),
+              "--max_steps", str(args.steps), "--eval_steps", str(args.eval_steps), "--logging_steps", str(args.eval_steps),
+              "--seed", str(args.seed), "--do_train", "--do_eval", "--report_to", "tensorboard"]
+    shared += ["--save_steps", str(10 * args.steps)] if framework == "flax" else ["--eval_strategy", "steps", "--save_strategy", "no"]
+    launched = time.time()
+    code, wall, rss = run_measured([python, *script, *shared], env, work / "e2e" / f"{name}.log")
+    if code != 0:
+        lines = [line for line in (work / "e2e" / f"{name}.log").read_text().splitlines() if line.strip()]
+        return {**row, "error": lines[-1][:300] if lines else f"exit {code}"}
+    train = json.loads((out / "train_results.json").read_text())
+    evaluation = json.loads((out / "eval_results.json").read_text())
+    return {**row, "command": " ".join(["python", *script, *shared]), "wall_s": wall, "peak_rss_mb": rss,
+            "train_s": train["train_runtime"], "tokens_per_s": args.steps * size["batch_size"] * size["seq_len"] / train["train_runtime"],
+            "eval_loss": evaluation["eval_loss"], "eval_accuracy": evaluation["eval_accuracy"], "curve": eval_curve(out, launched)}
+
+
+def end_to_end(args, work, size, config_dir, bar):
+    """Every framework's real script, the same work: the report of --end_to_end."""
+    corpus, tokenizer = work / "ptb", work / "tokenizer"
+    files = {"tokenizer": tokenizer, "init": work / f"init-{args.size}", "train": work / "e2e" / "train.txt",
+             "validation": work / "e2e" / "validation.txt", "learning_rate": 2e-3 if args.size == "tiny" else LEARNING_RATE}
+    files["train"].parent.mkdir(parents=True, exist_ok=True)
+    for split, lines in (("train", args.preprocess_lines), ("validation", max(args.preprocess_lines // 10, 200))):
+        text = (corpus / f"{split}.txt").read_text().splitlines(keepends=True)
+        files[split].write_text("".join(text[:lines]))
+    bar.set_postfix_str("initial weights")
+    res = run_worker({"kind": "init", "config_dir": str(config_dir), "init_dir": str(files["init"])}, work)
+    if "error" in res:
+        fail(f"creating the initial weights failed: {res['error']}")
+    bar.update(1)
+    rows = []
+    for name in args.modes_e2e:
+        bar.set_postfix_str(name)
+        rows.append(end_to_end_mode(name, args, files, size, work))
+        bar.update(1)
+    ran = [r for r in rows if "eval_loss" in r]
+    target = args.target_loss if args.target_loss is not None else max((r["eval_loss"] for r in ran), default=None)
+    for r in ran:
+        r["time_to_target_s"] = next((seconds for _, loss, seconds in r["curve"] if loss <= target + 1e-9), None)
+    steps = sorted(set.intersection(*[{p[0] for p in r["curve"]} for r in ran])) if ran else []
+    gaps = [(max(losses) - min(losses), step) for step in steps
+            for losses in [[next(p[1] for p in r["curve"] if p[0] == step) for r in ran]]]
+    from safetensors.numpy import load_file
+
+    num_params = sum(a.size for a in load_file(files["init"] / "pytorch" / "model.safetensors").values())
+    return {"modes": rows, "target_loss": target, "parity_gap": max(gaps, default=None), "not_run": E2E_NOT_RUN,
+            "learning_rate": files["learning_rate"], "num_params": num_params, "files": {k: str(v) for k, v in files.items()}}
+
+
+def minutes(seconds):
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
+
+
+def write_end_to_end(out, report):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    e2e, w = report["end_to_end"], report["workload"]
+    rows, ran = e2e["modes"], [r for r in e2e["modes"] if "eval_loss" in r]
+    cell = {r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else ("skipped" if "skipped" in r else "failed") for r in rows}
+    lines = [f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)", "",
+             f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}. Command: `{report['command']}`. "
+             f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
+             f"{w['steps'] // 10} warm-up steps with linear decay, the same initial weights, tokenizer, text and held-out blocks; "
+             f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:", "",
+             "| task | " + " | ".join(cell) + " |", "| --- |" + " ---: |" * len(cell), "| MLM | " + " | ".join(cell.values()) + " |", "",
+             "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) | peak RSS (MB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "eval_loss" in r:
+            reached = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "not reached"
+            lines.append(f"| {r['mode']} | {minutes(r['wall_s'])} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['eval_loss']:.4f} | "
+                         f"{100 * r['eval_accuracy']:.2f} % | {reached} | {r['peak_rss_mb']:,.0f} |")
+        else:
+            lines.append(f"| {r['mode']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |" + " |" * 6)
+    lines += ["", f"Target eval loss: {e2e['target_loss']:.4f}" + (" (given)" if report["target_given"] else " (the worst final eval loss)")
+              if e2e["target_loss"] is not None else "No mode finished."]
+    if e2e["parity_gap"]:
+        lines.append(f"Largest gap between the eval-loss curves at a common step: {e2e['parity_gap'][0]:.4f} (step {e2e['parity_gap'][1]}); "
+                     "each script masks with its own random draws, so the curves agree to that noise, not bitwise.")
+    lines += [f"Not run: {fw}: {why}." for fw, why in e2e["not_run"].items()]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in ran:
+        steps, losses, seconds = zip(*r["curve"], strict=True) if r["curve"] else ((), (), ())
+        axes[0].plot(steps, losses, marker="o", label=r["mode"])
+        axes[1].plot(seconds, losses, marker="o", label=r["mode"])
+    for ax, xlabel in zip(axes, ("step", "seconds since launch"), strict=True):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss")
+        ax.legend()
+    fig.suptitle(f"RoBERTa {w['size']} MLM end to end, {report['machine']['cpu']}")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+def run_end_to_end(args, out, work, size, argv):
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    bar = tqdm(total=2 + len(args.modes_e2e), desc="end to end", unit="task")
+    bar.set_postfix_str("corpus, tokenizer, config")
+    _, _, config_dir = prepare_files(work, args, size)
+    bar.update(1)
+    e2e = end_to_end(args, work, size, config_dir, bar)
+    bar.close()
+    config = json.loads((config_dir / "config.json").read_text())
+    report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
+              "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "workload": {"size": args.size, **size, "steps": args.steps, "eval_steps": args.eval_steps, "config": config,
+                           "learning_rate": e2e["learning_rate"], "num_params": e2e["num_params"]},
+              "target_given": args.target_loss is not None, "end_to_end": e2e, "runtime_s": time.perf_counter() - started}
+    write_end_to_end(out, report)
+    print((out / "results.md").read_text())
+    print(f"Wrote {out / 'results.md'}, results.json and curves.png in {report['runtime_s']:.0f} s")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", help="Where results.{md,json,png} (and a work/ cache) go.")
@@ -555,13 +750,19 @@ def main(argv=None):
     parser.add_argument("--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise).")
     parser.add_argument("--batch_size", type=int, default=None, help="Override the preset's global batch.")
     parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"Comma-separated, from: {', '.join(MODES)}.")
+    parser.add_argument("--modes", default=None, help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}).")
+    parser.add_argument("--end_to_end", action="store_true", help="Run the real training scripts instead (flax/run_mlm_flax.py, "
+                        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py): whole-command wall time, eval curves, time to a target.")
+    parser.add_argument("--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4).")
+    parser.add_argument("--target_loss", type=float, default=None, help="--end_to_end: eval loss whose first crossing is timed "
+                        "(default: the worst final eval loss among the modes).")
     parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_pmap mode.")
     parser.add_argument("--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false).")
     parser.add_argument("--xla_python", default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
                         help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.")
     parser.add_argument("--preprocess_lines", type=int, default=None, help="PTB lines to preprocess (default 5000 quick, all otherwise).")
     parser.add_argument("--no_inference", action="store_true", help="Skip the run_bert_flax.py fp32/bf16 inference benchmark.")
+    parser.add_argument("--repeats", type=int, default=3, help="Runs of every mode, interleaved round-robin (default 3).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -571,13 +772,16 @@ def main(argv=None):
         fail("--output_dir is required")
 
     args.size = args.size or ("tiny" if args.quick else "base")
-    args.steps = args.steps or (8 if args.quick else 20)
+    args.steps = args.steps or ((20 if args.quick else 300) if args.end_to_end else (8 if args.quick else 20))
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
     args.preprocess_lines = args.preprocess_lines or (5000 if args.quick else 10**9)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    known = E2E_MODES if args.end_to_end else MODES
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(E2E_MODES if args.end_to_end else DEFAULT_MODES)
+    unknown = [m for m in modes if m not in known]
     if unknown:
-        fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.repeats < 1:
+        fail(f"--repeats must be at least 1, got {args.repeats}")
     if not 0 <= args.warmup_steps < args.steps:
         fail(f"--warmup_steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     size = dict(SIZES[args.size])
@@ -587,11 +791,14 @@ def main(argv=None):
     out = Path(args.output_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    if args.end_to_end:
+        args.modes_e2e, args.eval_steps = modes, args.eval_steps or max(args.steps // 4, 1)
+        return run_end_to_end(args, out, work, size, argv)
 
     from tqdm import tqdm
 
     frameworks = ("torch", "jax", "tensorflow")
-    total = 2 + len(frameworks) + 1 + len(modes) + (0 if args.no_inference else 2)
+    total = 2 + len(frameworks) + 1 + len(modes) * args.repeats + (0 if args.no_inference else 2)
     bar = tqdm(total=total, desc="benchmark", unit="task")
     started = time.perf_counter()
     bar.set_postfix_str("corpus, tokenizer, config, preprocessing")
@@ -618,9 +825,9 @@ def main(argv=None):
 
     config = json.loads((config_dir / "config.json").read_text())
     flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
-    rows, versions = [], {}
-    for name in modes:
-        bar.set_postfix_str(name)
+    results, schedule, versions = {name: [] for name in modes}, [], {}
+    for round_index, name in ((r, name) for r in range(args.repeats) for name in modes):  # interleaved: drift hits all alike
+        bar.set_postfix_str(f"{name} ({round_index + 1}/{args.repeats})")
         spec = {"kind": "train", "mode": name, "precision": MODES[name][1], "config_dir": str(config_dir), "init_dir": str(init_dir),
                 "batches": str(batches_path), "warmup_steps": args.warmup_steps, "work_dir": str(work / name)}
         if name == "torch_xla":
@@ -632,8 +839,10 @@ def main(argv=None):
             flags = args.xla_flags + (f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_pmap" else "")
             result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))
-        rows.append(summarize(name, result, flops, peaks, args.warmup_steps, size))
+        results[name].append(result)
+        schedule.append([round_index, name])
         bar.update(1)
+    rows = [summarize(name, results[name], flops, peaks, args.warmup_steps, size) for name in modes]
 
     inference = {}
     if not args.no_inference:
@@ -663,7 +872,8 @@ def main(argv=None):
         "machine": machine_info(),
         "versions": versions,
         "xla_flags": args.xla_flags,
-        "workload": {"size": args.size, **size, "steps": args.steps, "warmup_steps": args.warmup_steps, "num_params": num_params,
+        "schedule": schedule,
+        "workload": {"size": args.size, **size, "steps": args.steps, "warmup_steps": args.warmup_steps, "repeats": args.repeats, "num_params": num_params,
                      "flops_per_step": flops, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "config": config},
         "matmul": {"n": n, "frameworks": matmul, "peak": peaks},
         "preprocessing": preprocessing,

@@ -33,7 +33,7 @@ def test_learning_rates_warm_up_then_decay(bench):
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = check_ok(run(["benchmarks/run_benchmark.py", "--quick", "--output_dir", str(out)], env={"XLA_PYTHON": XLA_PYTHON}))
+    result = check_ok(run(["benchmarks/run_benchmark.py", "--quick", "--repeats", "2", "--output_dir", str(out)], env={"XLA_PYTHON": XLA_PYTHON}))
     return out, json.loads((out / "results.json").read_text()), result
 
 
@@ -45,7 +45,7 @@ def test_quick_writes_table_json_and_plot(quick, bench):
     assert [r["mode"] for r in report["modes"]] == bench.DEFAULT_MODES
     for row in report["modes"]:
         assert f"| {row['mode']} |" in table
-    assert any(line.startswith("Flax's fastest mode") for line in report["goals"])
+    assert any(line.startswith("Flax's fastest mode") and "per round, median [min-max]" in line for line in report["goals"])
     assert report["matmul"]["peak"]["fp32"] > 0 and report["matmul"]["peak"]["bf16"] > 0
     groups = report["preprocessing"]["group"]
     assert set(groups) == {"group_texts (linear)", "sum(lists, []) (upstream)"}
@@ -78,3 +78,37 @@ def test_every_framework_did_the_same_work(quick):
         assert row["losses"][0] == pytest.approx(first["losses"][0], abs=2e-3)  # same initial weights and batch
         assert row["final_loss"] == pytest.approx(first["final_loss"], abs=1e-2)
     assert first["losses"][-1] < first["losses"][0]
+
+
+def test_repeats_are_interleaved_with_their_spread(quick, bench):
+    """--repeats 2: every mode ran twice, round-robin (A B C A B C), and the table gives the median with the range."""
+    out, report, _ = quick
+    assert report["schedule"] == [[r, mode] for r in range(2) for mode in bench.DEFAULT_MODES]
+    table = (out / "results.md").read_text()
+    for row in report["modes"]:
+        if "step_ms" in row:
+            assert row["repeats"] == 2 and len(row["step_ms_by_repeat"]) == 2 and len(row["times_by_repeat"]) == 2
+            assert row["step_ms_range"] == [min(row["step_ms_by_repeat"]), max(row["step_ms_by_repeat"])]
+            assert f"{row['step_ms']:,.1f} ({row['step_ms_range'][0]:,.1f}-{row['step_ms_range'][1]:,.1f})" in table
+
+
+def test_end_to_end_runs_the_real_scripts(tmp_path):
+    """--end_to_end --quick: the original README's table shape (a row | MLM with a column per framework), the curves,
+    and eval losses that are the scripts' own eval_results.json."""
+    check_ok(run(["benchmarks/run_benchmark.py", "--end_to_end", "--quick", "--output_dir", str(tmp_path)], env={"XLA_PYTHON": XLA_PYTHON}))
+    table = (tmp_path / "results.md").read_text()
+    report = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["mode"]: r for r in report["end_to_end"]["modes"]}
+    expected = ["flax", "flax_bf16", "torch", "torch_bf16", "torch_xla"]
+    assert list(rows) == expected and "| task | " + " | ".join(expected) + " |" in table
+    assert next(line for line in table.splitlines() if line.startswith("| MLM |")).count("|") == len(expected) + 2
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ran = [name for name in expected if "eval_loss" in rows[name]]
+    assert set(expected) - set(ran) <= ({"torch_xla"} if not (os.path.exists(XLA_PYTHON) or os.environ.get("CI")) else set()), rows
+    for name in ran:
+        own = json.loads((tmp_path / "work" / "e2e" / name / "eval_results.json").read_text())
+        assert rows[name]["eval_loss"] == own["eval_loss"] and rows[name]["eval_accuracy"] == own["eval_accuracy"]
+        assert [p[0] for p in rows[name]["curve"]] == [5, 10, 15, 20] and rows[name]["curve"][-1][1] == pytest.approx(own["eval_loss"], abs=1e-4)
+    worst = max(rows[name]["eval_loss"] for name in ran)
+    assert report["end_to_end"]["target_loss"] == worst and all(rows[name]["time_to_target_s"] is not None for name in ran)
+    assert "tensorflow" in report["end_to_end"]["not_run"]
