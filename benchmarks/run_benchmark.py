@@ -658,7 +658,8 @@ def end_to_end(args, work, size, config_dir, bar):
     ran = [r for r in rows if "eval_loss" in r]
     target = args.target_loss if args.target_loss is not None else max((r["eval_loss"] for r in ran), default=None)
     for r in ran:
-        r["time_to_target_s"] = next((seconds for _, loss, seconds in r["curve"] if loss <= target + 1e-9), None)
+        # TensorBoard keeps float32: the mode that set the target reaches it within that rounding
+        r["time_to_target_s"] = next((seconds for _, loss, seconds in r["curve"] if loss <= target * (1 + 1e-6)), None)
     steps = sorted(set.intersection(*[{p[0] for p in r["curve"]} for r in ran])) if ran else []
     gaps = [(max(losses) - min(losses), step) for step in steps
             for losses in [[next(p[1] for p in r["curve"] if p[0] == step) for r in ran]]]

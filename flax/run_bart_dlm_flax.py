@@ -1224,12 +1224,13 @@ def save_checkpoint(state, progress, output_dir, model, tokenizer, save_total_li
                      "train_batch_size": plan.train_batch_size, "num_devices": plan.num_devices}
     try:
         with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-            checkpointer.save(path, args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
+            checkpointer.save(os.path.abspath(path), args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
                                                             trainer_state=ocp.args.JsonSave(trainer_state)), force=True)
         if jax.process_index() == 0:
             save_pretrained(model, host_state["params"], tokenizer, output_dir)
     except (OSError, ValueError) as e:  # a full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError
-        fail(f"cannot write {path}: {str(e).splitlines()[0]}; {last}. Free some space, then resume with --resume_from_checkpoint")
+        advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
+        fail(f"cannot write {path}: {str(e).splitlines()[0]}; {last}. {advice} with --resume_from_checkpoint")
     if jax.process_index() == 0:
         for _, old in list_checkpoints(output_dir)[0][: -save_total_limit if save_total_limit else 0]:
             shutil.rmtree(old, ignore_errors=True)
@@ -1243,6 +1244,7 @@ def save_checkpoint(state, progress, output_dir, model, tokenizer, save_total_li
 def restore_checkpoint(path, abstract_state, plan, seed):
     """The train state and training progress saved in `path`, checked against this run: the same model shapes,
     global batch and seed (the data order depends on both)."""
+    path = os.path.abspath(path)  # Orbax takes absolute paths only
     with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
         stored = dict(jax.tree_util.tree_flatten_with_path(checkpointer.metadata(path).item_metadata["state"]["params"])[0])
         for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:

@@ -2,10 +2,11 @@
 
 import json
 import math
+import os
 
 import pytest
 
-from conftest import TWO_DEVICES, bad_input, check_ok, logged_losses, run, script_args
+from conftest import ROOT, TWO_DEVICES, bad_input, check_ok, logged_losses, run, script_args
 
 SCRIPT = "flax/run_mlm_flax.py"
 
@@ -84,7 +85,8 @@ def test_checkpoint_logits_identical_after_reload(trained):
 
 def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, tmp_path):
     """The other upstream paths in one short run: --line_by_line with --pad_to_max_length on a JSON-lines
-    file, --adafactor, --dtype bfloat16 and --gradient_checkpointing."""
+    file, --adafactor, --dtype bfloat16 and --gradient_checkpointing; a relative --output_dir (Orbax wants
+    absolute paths), run from another folder."""
     files = {}
     for split, n in (("train", 600), ("validation", 100)):
         lines = (corpus / f"{split}_slice.txt").read_text().splitlines()[:n]
@@ -96,8 +98,9 @@ def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, 
                     "--max_steps", "8", "--logging_steps", "4", "--learning_rate", "1e-3")
     args[args.index("--train_file") + 1] = str(files["train"])
     args[args.index("--validation_file") + 1] = str(files["validation"])
-    result = check_ok(run(args))
-    assert len(logged_losses(result.stdout + result.stderr)) == 2
+    args[0], args[args.index("--output_dir") + 1] = os.path.join(ROOT, args[0]), "out"
+    result = check_ok(run(args, cwd=tmp_path))
+    assert len(logged_losses(result.stdout + result.stderr)) == 2 and (out / "checkpoint-8" / "trainer_state").is_dir()
     metrics = json.loads((out / "eval_results.json").read_text())
     assert math.isfinite(metrics["eval_loss"])
     # line by line: one example per non-empty validation line, each padded to 64 tokens
