@@ -4,6 +4,18 @@ README (Flax vs PyTorch vs PyTorch/XLA), on this machine, plus TensorFlow.
 
   python benchmarks/run_benchmark.py --quick --output_dir out/bench            # tiny model, a few minutes
   python benchmarks/run_benchmark.py --size base --output_dir out/bench-base   # roberta-base, batch 8 x 128
+  python benchmarks/run_benchmark.py --end_to_end --size tiny --steps 300 --output_dir out/bench-e2e   # the real scripts
+
+Every mode runs --repeats times (3), interleaved round-robin so that the machine's drift hits every mode
+alike; tables give the median with the range, and ratios between modes are taken round by round.
+
+--end_to_end runs the training scripts themselves, as a user would (flax/run_mlm_flax.py in fp32 and
+--dtype bfloat16, pytorch/run_mlm.py eager and --bf16, pytorch/xla_spawn.py --num_cores 1) on the same text,
+tokenizer, initial weights, sequence length, global batch, schedule and steps, each evaluating on the same
+held-out blocks every --eval_steps: wall time of the whole command (the original README's table), training
+time, tokens/s, final eval loss and accuracy (the scripts' own eval_results.json), peak RSS, the time each
+first reaches a target eval loss, and the eval-loss curves by step and by wall-clock second (curves.png).
+Each script picks its device as it always does, so the same command runs on a GPU or TPU host.
 
 The same work everywhere: one tokenizer (8,192-token ByteLevelBPE on Penn Treebank), one RoBERTa
 config (dropout 0, so runs are deterministic), the same initial weights (PyTorch init, loaded into Flax
