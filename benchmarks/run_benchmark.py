@@ -672,9 +672,9 @@ def end_to_end(args, work, size, config_dir, bar):
     for r in ran:
         # TensorBoard keeps float32: the mode that set the target reaches it within that rounding
         r["time_to_target_s"] = next((seconds for _, loss, seconds in r["curve"] if loss <= target * (1 + 1e-6)), None)
-    steps = sorted(set.intersection(*[{p[0] for p in r["curve"]} for r in ran])) if ran else []
-    gaps = [(max(losses) - min(losses), step) for step in steps
-            for losses in [[next(p[1] for p in r["curve"] if p[0] == step) for r in ran]]]
+    curves = [{step: loss for step, loss, _ in r["curve"]} for r in ran]
+    common = set.intersection(*map(set, curves)) if curves else set()
+    gaps = [(max(c[step] for c in curves) - min(c[step] for c in curves), step) for step in sorted(common)]
     from safetensors.numpy import load_file
 
     num_params = sum(a.size for a in load_file(files["init"] / "pytorch" / "model.safetensors").values())
