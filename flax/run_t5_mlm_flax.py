@@ -607,8 +607,8 @@ def dump_noised_examples(dataset, make_batch, plan, seed, tokenizer, count, outp
             examples = dataset[rows]
             batch = make_batch(examples, (seed, 0), rows, len(rows))
             for k, row in enumerate(rows[: count - written]):
-                inputs = batch["input_ids"][k]
-                inputs = inputs[: (np.flatnonzero(inputs != tokenizer.pad_token_id)[-1:] + 1).sum()].tolist()
+                kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)  # trailing padding left out
+                inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
                 original = list(examples["input_ids"][k])
                 f.write(json.dumps({"batch": index, "row": int(row), "original_ids": original, "input_ids": inputs,
                                     "labels": batch["labels"][k].tolist(), "original_text": tokenizer.decode(original),
