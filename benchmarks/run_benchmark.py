@@ -10,7 +10,8 @@ Every mode runs --repeats times (3), interleaved round-robin so that the machine
 alike; tables give the median with the range, and ratios between modes are taken round by round.
 
 --end_to_end runs the training scripts themselves, as a user would (flax/run_mlm_flax.py in fp32 and
---dtype bfloat16, pytorch/run_mlm.py eager and --bf16, pytorch/xla_spawn.py --num_cores 1) on the same text,
+--dtype bfloat16, pytorch/run_mlm.py eager and --bf16, pytorch/xla_spawn.py --num_cores 1, tensorflow/run_mlm.py
+in fp32 and --bfloat16 after prepare_tfrecord_shards.py, whose time counts in TensorFlow's wall time) on the same text,
 tokenizer, initial weights, sequence length, global batch, schedule and steps, each evaluating on the same
 held-out blocks every --eval_steps: wall time of the whole command (the original README's table), training
 time, tokens/s, final eval loss and accuracy (the scripts' own eval_results.json), peak RSS, the time each
@@ -589,38 +590,75 @@ E2E_MODES = {
     "torch": ("pytorch", "fp32", ["pytorch/run_mlm.py"]),
     "torch_bf16": ("pytorch", "bf16", ["pytorch/run_mlm.py", "--bf16"]),
     "torch_xla": ("pytorch/xla", "fp32", ["pytorch/xla_spawn.py", "--num_cores", "1", "pytorch/run_mlm.py"]),
+    "tf": ("tensorflow", "fp32", ["tensorflow/run_mlm.py"]),
+    "tf_bf16": ("tensorflow", "bf16", ["tensorflow/run_mlm.py", "--bfloat16"]),
 }
-E2E_NOT_RUN = {"tensorflow": "tensorflow/run_mlm.py trains whole epochs with the walkthrough's fixed 5 % warm-up and evaluates once "
-                             "per epoch: it has no --max_steps, --warmup_steps or --eval_steps to match the others' schedule"}
 
 
-def run_measured(argv, env, log_path):
-    """Run a command as a user would; return (exit code, wall seconds, peak RSS in MB of the process tree's largest
-    process, from wait4)."""
-    started = time.perf_counter()
+def run_measured(commands, env, log_path):
+    """Run commands one after the other as a user would; return (exit code, wall seconds in all, peak RSS in MB of the
+    largest process, from wait4)."""
+    started, peak = time.perf_counter(), 0.0
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, time.perf_counter() - started, usage.ru_maxrss / 1024
+        for argv in commands:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)
+            peak = max(peak, usage.ru_maxrss / 1024)
+            if os.waitstatus_to_exitcode(status) != 0:
+                return os.waitstatus_to_exitcode(status), time.perf_counter() - started, peak
+    return 0, time.perf_counter() - started, peak
 
 
 def eval_curve(output_dir, launched):
-    """(step, eval loss, seconds since launch) of every evaluation the script logged to TensorBoard."""
+    """(step, eval loss, seconds since launch) of every evaluation the script logged to TensorBoard (as scalars, or as
+    tf.summary's scalar tensors)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
 
     points = {}
     for events in Path(output_dir, "runs").rglob("events.out.tfevents.*"):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
         accumulator.Reload()
-        if "eval/loss" in accumulator.Tags()["scalars"]:
+        tags = accumulator.Tags()
+        if "eval/loss" in tags["scalars"]:
             points.update({e.step: (e.step, e.value, e.wall_time - launched) for e in accumulator.Scalars("eval/loss")})
+        if "eval/loss" in tags["tensors"]:
+            points.update({e.step: (e.step, float(make_ndarray(e.tensor_proto)), e.wall_time - launched) for e in accumulator.Tensors("eval/loss")})
     return [points[step] for step in sorted(points)]
+
+
+def e2e_commands(name, args, files, size, out):
+    """The commands of one mode, as a user would type them after `python`: the script with the shared settings, after
+    TensorFlow's TFRecord shards of the same text."""
+    framework, _, script = E2E_MODES[name]
+    common = {"--learning_rate": files["learning_rate"], "--warmup_steps": args.steps // 10, "--max_steps": args.steps,
+              "--eval_steps": args.eval_steps, "--seed": args.seed, "--output_dir": out}
+    if framework == "tensorflow":
+        shards = out.parent / f"{name}-shards"
+        prepare = [["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", files["tokenizer"], "--train_file", files[split],
+                    "--split", split, "--max_length", size["seq_len"], "--output_dir", shards, "--overwrite_output_dir"]
+                   for split in ("train", "validation")]
+        flags = {**common, "--model_name_or_path": files["init"] / "tensorflow", "--tokenizer": files["tokenizer"],
+                 "--train_dataset": shards / "train", "--eval_dataset": shards / "validation", "--max_length": size["seq_len"],
+                 "--per_replica_batch_size": size["batch_size"], "--weight_decay_rate": WEIGHT_DECAY}
+        # The other scripts repeat a seeded run exactly by default; TF's input pipeline needs the flag.
+        commands = [*prepare, [*script, *(str(x) for kv in flags.items() for x in kv), "--overwrite_output_dir", "--full_determinism"]]
+    else:
+        flags = {**common, "--model_name_or_path": files["init"] / ("flax" if framework == "flax" else "pytorch"),
+                 "--tokenizer_name": files["tokenizer"], "--train_file": files["train"], "--validation_file": files["validation"],
+                 "--max_seq_length": size["seq_len"], "--per_device_train_batch_size": size["batch_size"],
+                 "--per_device_eval_batch_size": size["batch_size"], "--weight_decay": WEIGHT_DECAY, "--logging_steps": args.eval_steps,
+                 "--report_to": "tensorboard"}
+        # The Trainer clips gradients at norm 1.0 by default; the Flax and TF scripts do not clip, so neither does it here.
+        flags.update({"--save_steps": 10 * args.steps} if framework == "flax" else
+                     {"--eval_strategy": "steps", "--save_strategy": "no", "--max_grad_norm": 0})
+        commands = [[*script, *(str(x) for kv in flags.items() for x in kv), "--overwrite_output_dir", "--do_train", "--do_eval"]]
+    return [[str(x) for x in argv] for argv in commands]
 
 
 def end_to_end_mode(name, args, files, size, work):
     """Run one framework's script on the shared corpus, tokenizer, initial weights and schedule; its row."""
-    framework, precision, script = E2E_MODES[name]
+    framework, precision, _ = E2E_MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision}
     python, env = sys.executable, {k: v for k, v in os.environ.items() if k not in ("USE_TF", "USE_TORCH", "USE_FLAX")}
     if name == "torch_xla":
@@ -628,22 +666,15 @@ def end_to_end_mode(name, args, files, size, work):
             return {**row, "skipped": f"no PyTorch/XLA environment at {args.xla_python} (bash run.sh setup-xla)"}
         python, env = args.xla_python, {**env, "PJRT_DEVICE": "CPU"}
     out = work / "e2e" / name
-    weights = files["init"] / ("flax" if framework == "flax" else "pytorch")
-    shared = ["--output_dir", str(out), "--overwrite_output_dir", "--model_name_or_path", str(weights), "--tokenizer_name", str(files["tokenizer"]),
-              "--train_file", str(files["train"]), "--validation_file", str(files["validation"]), "--max_seq_length", str(size["seq_len"]),
-              "--per_device_train_batch_size", str(size["batch_size"]), "--per_device_eval_batch_size", str(size["batch_size"]),
-              "--learning_rate", str(files["learning_rate"]), "--warmup_steps", str(args.steps // 10), "--weight_decay", str(WEIGHT_DECAY),
-              "--max_steps", str(args.steps), "--eval_steps", str(args.eval_steps), "--logging_steps", str(args.eval_steps),
-              "--seed", str(args.seed), "--do_train", "--do_eval", "--report_to", "tensorboard"]
-    shared += ["--save_steps", str(10 * args.steps)] if framework == "flax" else ["--eval_strategy", "steps", "--save_strategy", "no"]
+    commands = e2e_commands(name, args, files, size, out)
     launched = time.time()
-    code, wall, rss = run_measured([python, *script, *shared], env, work / "e2e" / f"{name}.log")
+    code, wall, rss = run_measured([[python, *argv] for argv in commands], env, work / "e2e" / f"{name}.log")
     if code != 0:
         lines = [line for line in (work / "e2e" / f"{name}.log").read_text().splitlines() if line.strip()]
         return {**row, "error": lines[-1][:300] if lines else f"exit {code}"}
     train = json.loads((out / "train_results.json").read_text())
     evaluation = json.loads((out / "eval_results.json").read_text())
-    return {**row, "command": " ".join(["python", *script, *shared]), "wall_s": wall, "peak_rss_mb": rss,
+    return {**row, "command": " && ".join(" ".join(["python", *argv]) for argv in commands), "wall_s": wall, "peak_rss_mb": rss,
             "train_s": train["train_runtime"], "tokens_per_s": args.steps * size["batch_size"] * size["seq_len"] / train["train_runtime"],
             "eval_loss": evaluation["eval_loss"], "eval_accuracy": evaluation["eval_accuracy"], "curve": eval_curve(out, launched)}
 
@@ -678,7 +709,7 @@ def end_to_end(args, work, size, config_dir, bar):
     from safetensors.numpy import load_file
 
     num_params = sum(a.size for a in load_file(files["init"] / "pytorch" / "model.safetensors").values())
-    return {"modes": rows, "target_loss": target, "parity_gap": max(gaps, default=None), "not_run": E2E_NOT_RUN,
+    return {"modes": rows, "target_loss": target, "parity_gap": max(gaps, default=None),
             "learning_rate": files["learning_rate"], "num_params": num_params, "files": {k: str(v) for k, v in files.items()}}
 
 
@@ -699,7 +730,7 @@ def write_end_to_end(out, report):
     lines = [f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)", "",
              f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}. Command: `{report['command']}`. "
              f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
-             f"{w['steps'] // 10} warm-up steps with linear decay, the same initial weights, tokenizer, text and held-out blocks; "
+             f"{w['steps'] // 10} warm-up steps with linear decay, no gradient clipping, the same initial weights, tokenizer, text and held-out blocks; "
              f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:", "",
              "| task | " + " | ".join(cell) + " |", "| --- |" + " ---: |" * len(cell), "| MLM | " + " | ".join(cell.values()) + " |", "",
              "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) | peak RSS (MB) |",
@@ -716,7 +747,6 @@ def write_end_to_end(out, report):
     if e2e["parity_gap"]:
         lines.append(f"Largest gap between the eval-loss curves at a common step: {e2e['parity_gap'][0]:.4f} (step {e2e['parity_gap'][1]}); "
                      "each script masks with its own random draws, so the curves agree to that noise, not bitwise.")
-    lines += [f"Not run: {fw}: {why}." for fw, why in e2e["not_run"].items()]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in ran:
@@ -765,7 +795,7 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
     parser.add_argument("--modes", default=None, help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}).")
     parser.add_argument("--end_to_end", action="store_true", help="Run the real training scripts instead (flax/run_mlm_flax.py, "
-                        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py): whole-command wall time, eval curves, time to a target.")
+                        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): whole-command wall time, eval curves, time to a target.")
     parser.add_argument("--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4).")
     parser.add_argument("--target_loss", type=float, default=None, help="--end_to_end: eval loss whose first crossing is timed "
                         "(default: the worst final eval loss among the modes).")

@@ -24,6 +24,11 @@ Differences from upstream, all fixes:
   at id 1, so every [SEP] was taken for padding. train_unigram.py now puts <pad> at 1, and a
   tokenizer with another pad id is refused for RoBERTa-family models.
 - Every special token in the text (such as a literal <unk>) is kept out of the MLM targets.
+- Steps and logs, with the Trainer's flag names: --max_steps (the data repeats as needed), --warmup_steps (default:
+  upstream's 5 %), --eval_steps (fit runs stretches of that many steps, each ending in an evaluation), and TensorBoard
+  events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...; --report_to none to
+  skip). --model_name_or_path starts from saved TF weights, e.g. the same initial model as another framework's run.
+  --full_determinism (the Trainer's name) makes a seeded run repeatable.
 - Shards are checked before training (names, counts, sequence length); the hub is only contacted when
   --hub_model_id is given, and offline that fails before training. The model and tokenizer are saved
   together (fill-mask works from --output_dir), atomically, and never over a folder without
@@ -32,6 +37,7 @@ Differences from upstream, all fixes:
 
 import argparse
 import atexit
+import datetime
 import fcntl
 import json
 import logging
@@ -70,6 +76,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
     parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument("--pretrained_model_config", type=str, default="FacebookAI/roberta-base", help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!")
+    parser.add_argument("--model_name_or_path", type=str, help="Start from these TF weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.")
     parser.add_argument("--tokenizer", type=str, default="unigram-tokenizer-wikitext", help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.")
     parser.add_argument("--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica).")
     parser.add_argument("--no_tpu", action="store_true", help="Do not look for a TPU: MirroredStrategy over several devices, else OneDeviceStrategy.")
@@ -83,20 +90,27 @@ def parse_args(argv=None):
     parser.add_argument("--shuffle_buffer_size", type=int, default=2**18, help="Size of the shuffle buffer (in samples)")
     parser.add_argument("--eval_dataset", type=str, help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.")
     parser.add_argument("--num_epochs", type=int, default=1, help="Number of epochs to train for.")
+    parser.add_argument("--max_steps", type=int, help="Train this many steps instead of --num_epochs epochs (the data repeats as needed).")
+    parser.add_argument("--warmup_steps", type=int, help="Linear warm-up steps (default: 5%% of the training steps, as the walkthrough).")
+    parser.add_argument("--eval_steps", type=int, help="Evaluate and log every N steps (default: once per epoch).")
     parser.add_argument("--learning_rate", type=float, default=1e-4, help="Learning rate to use for training.")
     parser.add_argument("--weight_decay_rate", type=float, default=1e-3, help="Weight decay rate to use for training.")
     parser.add_argument("--max_length", type=int, default=512, help="Maximum length of tokenized sequences. Should match the setting used in prepare_tfrecord_shards.py")
     parser.add_argument("--mlm_probability", type=float, default=0.15, help="Fraction of tokens to mask during training.")
     parser.add_argument("--seed", type=int, default=42, help="Seed for initialization, shuffling and masking.")
+    parser.add_argument("--full_determinism", action="store_true", help="Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): the same seed gives the same run. Without it the masks drawn in the parallel input pipeline differ from run to run.")
     parser.add_argument("--output_dir", type=str, required=True, help="Path to save model checkpoints to.")
     parser.add_argument("--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir.")
     parser.add_argument("--hub_model_id", type=str, help="Model ID to upload to on the Hugging Face Hub.")
+    parser.add_argument("--report_to", choices=["tensorboard", "none"], default="tensorboard", help="tensorboard: events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...).")
     args = parser.parse_args(argv)
-    for flag in ("per_replica_batch_size", "num_epochs", "max_length", "num_cpu_devices", "shuffle_buffer_size"):
-        if getattr(args, flag) <= 0:
+    for flag in ("per_replica_batch_size", "num_epochs", "max_length", "num_cpu_devices", "shuffle_buffer_size", "max_steps", "eval_steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if not 0.0 < args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        fail(f"--warmup_steps must not be negative, got {args.warmup_steps}")
     if args.learning_rate <= 0 or args.weight_decay_rate < 0:
         fail(f"--learning_rate must be positive and --weight_decay_rate not negative, got {args.learning_rate} and {args.weight_decay_rate}")
     if args.train_dataset is None:
@@ -178,7 +192,9 @@ def find_shards(flag, path, max_length):
     return records, num_samples
 
 
-def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None):
+def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None, drop_remainder=True):
+    """Training (shuffle=True): shuffled full batches, repeated without end (fit's steps_per_epoch sets the length).
+    Evaluation: the records in order, masked once and cached."""
     num_samples = count_samples(records)
     dataset = tf.data.Dataset.from_tensor_slices(records)
     if shuffle:
@@ -189,10 +205,10 @@ def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_bu
     dataset = dataset.map(decode_fn, num_parallel_calls=AUTO)
     if shuffle:
         dataset = dataset.shuffle(shuffle_buffer_size, seed=seed)
-    dataset = dataset.batch(batch_size, drop_remainder=True)
+    dataset = dataset.batch(batch_size, drop_remainder=shuffle or drop_remainder)
     dataset = dataset.map(mask_fn, num_parallel_calls=AUTO)
-    if not shuffle:
-        dataset = dataset.cache()  # evaluation: mask once, so every evaluation scores the same tokens
+    # evaluation: mask once, so every evaluation scores the same tokens
+    dataset = dataset.repeat() if shuffle else dataset.cache()
     return dataset.prefetch(AUTO)
 
 
@@ -224,7 +240,9 @@ class MaskedAccuracy(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = tf.cast(y_true, tf.int64)
         mask = y_true != -100
-        hits = (tf.argmax(y_pred, axis=-1) == y_true) & mask
+        # Only the masked positions' logits (about 15 %): on the full [batch, length, vocabulary] logits the two
+        # metrics took a third of a small model's step.
+        hits = tf.argmax(tf.boolean_mask(y_pred, mask), axis=-1) == tf.boolean_mask(y_true, mask)
         self.correct.assign_add(tf.reduce_sum(tf.cast(hits, tf.float64)))
         self.count.assign_add(tf.reduce_sum(tf.cast(mask, tf.float64)))
 
@@ -241,16 +259,20 @@ class MaskedLoss(MaskedAccuracy):
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = tf.cast(y_true, tf.int64)
         mask = y_true != -100
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.where(mask, y_true, 0), tf.cast(y_pred, tf.float32))
-        self.correct.assign_add(tf.reduce_sum(tf.cast(tf.where(mask, losses, 0.0), tf.float64)))
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.boolean_mask(y_true, mask), tf.cast(tf.boolean_mask(y_pred, mask), tf.float32))
+        self.correct.assign_add(tf.reduce_sum(tf.cast(losses, tf.float64)))
         self.count.assign_add(tf.reduce_sum(tf.cast(mask, tf.float64)))
 
 
-class StepTimer(keras.callbacks.Callback):
-    """Wall time of every training batch (the first includes tracing and compilation)."""
+class TrainingLog(keras.callbacks.Callback):
+    """Times every training step (the first includes tracing and compilation) and stops fit after max_steps. At the
+    end of every fit epoch (each --eval_steps steps) writes the Trainer's TensorBoard tags at the global step."""
 
-    def __init__(self):
+    TAGS = {"train/loss": "masked_loss", "train/accuracy": "masked_accuracy", "eval/loss": "val_masked_loss", "eval/accuracy": "val_masked_accuracy"}
+
+    def __init__(self, max_steps, schedule, writer):
         super().__init__()
+        self.max_steps, self.schedule, self.writer = max_steps, schedule, writer
         self.times = []
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -258,6 +280,26 @@ class StepTimer(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.times.append(time.perf_counter() - self.start)
+        if len(self.times) >= self.max_steps:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.writer is None:
+            return
+        with self.writer.as_default(step=len(self.times)):
+            for tag, key in self.TAGS.items():
+                if key in logs:
+                    tf.summary.scalar(tag, logs[key])
+            tf.summary.scalar("train/learning_rate", self.schedule(len(self.times)))
+        self.writer.flush()
+
+
+def open_summary_writer(args):
+    """TensorBoard events in output_dir/runs/<date>_<host>, the folder the Trainer and the Flax scripts use."""
+    if args.report_to == "none":
+        return None
+    run_name = f"{datetime.datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
+    return tf.summary.create_file_writer(os.path.join(args.output_dir, "runs", run_name))
 
 
 def write_json(path, obj):
@@ -329,12 +371,16 @@ def main(argv=None):
     if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {".lock"} and not args.overwrite_output_dir:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     check_writable("--output_dir", output_dir)
-    if os.path.isdir(args.pretrained_model_config) and not os.path.isfile(os.path.join(args.pretrained_model_config, "config.json")):
-        fail(f"--pretrained_model_config {args.pretrained_model_config} holds no config.json; write one with tokenizers/create_config.py")
+    config_flag, config_source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else ("--pretrained_model_config", args.pretrained_model_config)
+    if os.path.isdir(config_source) and not os.path.isfile(os.path.join(config_source, "config.json")):
+        fail(f"{config_flag} {config_source} holds no config.json; write one with tokenizers/create_config.py")
+    if args.model_name_or_path and os.path.isdir(args.model_name_or_path) and not os.path.isfile(os.path.join(args.model_name_or_path, "tf_model.h5")):
+        fail(f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow weights (tf_model.h5); save them with "
+             "TFAutoModelForMaskedLM.save_pretrained, or leave the flag out to start from a fresh initialisation")
     if args.hub_model_id and not hub_reachable():
         fail(f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
              f"and upload {output_dir} later")
-    for flag, name in (("--pretrained_model_config", args.pretrained_model_config), ("--tokenizer", args.tokenizer)):
+    for flag, name in ((config_flag, config_source), ("--tokenizer", args.tokenizer)):
         check_hub_name(flag, name)
     training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
     eval_records = find_shards("--eval_dataset", args.eval_dataset, args.max_length)[0] if args.eval_dataset else None
@@ -350,14 +396,19 @@ def main(argv=None):
     if args.bfloat16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
     keras.utils.set_random_seed(args.seed)
+    if args.full_determinism:
+        tf.config.experimental.enable_op_determinism()
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        config = AutoConfig.from_pretrained(args.pretrained_model_config)
+        config = AutoConfig.from_pretrained(config_source)
     except (OSError, ValueError) as e:
         fail(f"cannot load the tokenizer or config: {str(e).splitlines()[0]}")
     if tokenizer.mask_token is None:
         fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
+    if args.model_name_or_path and config.vocab_size != len(tokenizer):
+        fail(f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} but --tokenizer has "
+             f"{len(tokenizer)} tokens; pass the tokenizer the model was trained with")
     # The model's vocabulary and special ids come from the tokenizer.
     config.vocab_size = len(tokenizer)
     special_ids = {
@@ -383,21 +434,33 @@ def main(argv=None):
     if steps_per_epoch == 0:
         fail(f"{num_train_samples} training samples are fewer than one global batch ({batch_size}); "
              "use more data or a smaller --per_replica_batch_size")
-    total_train_steps = steps_per_epoch * args.num_epochs
+    total_train_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    warmup_steps = args.warmup_steps if args.warmup_steps is not None else total_train_steps // 20
+    if warmup_steps > total_train_steps:
+        logger.warning(f"--warmup_steps {warmup_steps} is longer than training ({total_train_steps} steps): the learning rate "
+                       "never reaches --learning_rate")
+    # fit's epochs are stretches of --eval_steps steps (default: a pass over the data), each ending in an evaluation.
+    fit_epoch_steps = min(args.eval_steps or steps_per_epoch, total_train_steps)
 
     with strategy.scope():
-        model = TFAutoModelForMaskedLM.from_config(config)
+        if args.model_name_or_path:
+            try:
+                model = TFAutoModelForMaskedLM.from_pretrained(args.model_name_or_path, config=config)
+            except (OSError, ValueError) as e:
+                fail(f"--model_name_or_path {args.model_name_or_path}: cannot load the weights: {str(e).splitlines()[0]}")
+        else:
+            model = TFAutoModelForMaskedLM.from_config(config)
         model(model.dummy_inputs)  # Pass some dummy inputs through the model to ensure all the weights are built
         optimizer, schedule = create_optimizer(
             num_train_steps=total_train_steps,
-            num_warmup_steps=total_train_steps // 20,
+            num_warmup_steps=warmup_steps,
             init_lr=args.learning_rate,
             weight_decay_rate=args.weight_decay_rate,
         )
         # The model computes its own MLM loss from the labels (no loss passed to compile).
         model.compile(optimizer=optimizer, metrics=[MaskedAccuracy(), MaskedLoss()], jit_compile=args.jit_compile)
     logger.info(f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
-                f"global batch {batch_size}, {total_train_steps} steps")
+                f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}")
 
     def decode_fn(example):
         features = {
@@ -411,11 +474,15 @@ def main(argv=None):
                                     shuffle=True, shuffle_buffer_size=args.shuffle_buffer_size, seed=args.seed)
     eval_dataset = None
     if eval_records:
-        eval_dataset = prepare_dataset(eval_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size, shuffle=False)
-        if count_samples(eval_records) < batch_size:
+        # TPUs need full batches, and a replica's share of a short one can hold no masked token (a NaN loss); on
+        # one device every evaluation block counts, as in the other scripts.
+        full_batches = replicas > 1 or strategy_name == "TPUStrategy"
+        eval_dataset = prepare_dataset(eval_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size, shuffle=False,
+                                       drop_remainder=full_batches)
+        if full_batches and count_samples(eval_records) < batch_size:
             fail(f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})")
 
-    timer = StepTimer()
+    timer = TrainingLog(total_train_steps, schedule, open_summary_writer(args))
     callbacks = [timer]
     if args.hub_model_id:
         from transformers import PushToHubCallback
@@ -423,8 +490,8 @@ def main(argv=None):
         callbacks.append(PushToHubCallback(output_dir=output_dir, hub_model_id=args.hub_model_id, tokenizer=tokenizer))
 
     start = time.perf_counter()
-    history = model.fit(train_dataset, validation_data=eval_dataset, epochs=args.num_epochs, callbacks=callbacks,
-                        verbose=2 if not sys.stdout.isatty() else "auto").history
+    history = model.fit(train_dataset, validation_data=eval_dataset, epochs=math.ceil(total_train_steps / fit_epoch_steps),
+                        steps_per_epoch=fit_epoch_steps, callbacks=callbacks, verbose=2 if not sys.stdout.isatty() else "auto").history
     runtime = time.perf_counter() - start
 
     os.makedirs(output_dir, exist_ok=True)
@@ -436,11 +503,14 @@ def main(argv=None):
     if reload_diff > 1e-4:
         fail(f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})")
     steady = timer.times[1:] or timer.times
-    train_loss = float(history["masked_loss"][-1])
+    # Keras' metrics restart every fit epoch: average the stretches, weighted by their steps.
+    stretches = len(history["loss"])
+    weights = [fit_epoch_steps] * (stretches - 1) + [total_train_steps - fit_epoch_steps * (stretches - 1)]
+    train_loss = float(np.average(history["masked_loss"], weights=weights))
     train_results = {
         "train_loss": train_loss,
-        "train_keras_loss": float(history["loss"][-1]),
-        "train_masked_accuracy": float(history["masked_accuracy"][-1]),
+        "train_keras_loss": float(np.average(history["loss"], weights=weights)),
+        "train_accuracy": float(np.average(history["masked_accuracy"], weights=weights)),
         "train_perplexity": math.exp(min(train_loss, 700.0)),
         "train_runtime": runtime,
         "train_steps": total_train_steps,
@@ -454,23 +524,23 @@ def main(argv=None):
         "jit_compile": args.jit_compile,
         "bfloat16": args.bfloat16,
         "max_length": args.max_length,
-        "epochs": args.num_epochs,
+        "epochs": total_train_steps * batch_size / num_train_samples,
         "reload_max_abs_logit_diff": reload_diff,
     }
     write_json(os.path.join(output_dir, "train_results.json"), train_results)
-    logger.info(f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_masked_accuracy']:.4f}, "
+    logger.info(f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_accuracy']:.4f}, "
                 f"median step {train_results['step_time_median_s'] * 1000:.1f} ms (first {timer.times[0]:.1f} s)")
     if eval_dataset is not None:
         eval_loss = float(history["val_masked_loss"][-1])
         eval_results = {
             "eval_loss": eval_loss,
             "eval_keras_loss": float(history["val_loss"][-1]),
-            "eval_masked_accuracy": float(history["val_masked_accuracy"][-1]),
+            "eval_accuracy": float(history["val_masked_accuracy"][-1]),
             "eval_perplexity": math.exp(min(eval_loss, 700.0)),
-            "eval_samples": count_samples(eval_records) // batch_size * batch_size,
+            "eval_samples": count_samples(eval_records) // batch_size * batch_size if full_batches else count_samples(eval_records),
         }
         write_json(os.path.join(output_dir, "eval_results.json"), eval_results)
-        logger.info(f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_masked_accuracy']:.4f}, "
+        logger.info(f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_accuracy']:.4f}, "
                     f"perplexity {eval_results['eval_perplexity']:.2f}")
     logger.info(f"Model, tokenizer and results saved to {output_dir}")
     lock.close()

@@ -74,7 +74,8 @@ def test_unknown_flags_bad_values_and_argument_files(request, corpus, tmp_path):
            (["pytorch/run_mlm.py", str(tmp_path / "missing.json")], "does not exist"),
            ([MLM, *out, "--learning_rate", "abc"], "--learning_rate", "invalid float value: 'abc'"),
            (["tokenizers/create_config.py", "--model_type", "roberta", *out, "--vocab_size", "many"], "--vocab_size", "invalid int"),
-           (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"))
+           (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"),
+           (["tensorflow/run_mlm.py", *out, "--max_steps", "0"], "--max_steps must be a positive integer"))
 
 
 def test_a_table_without_a_text_column(request, corpus, tmp_path, files, tiny_model_dir):
@@ -251,7 +252,8 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
     errors((mlm(request, corpus, tmp_path / "a", "--config_name", no_config), f"--config_name {no_config} holds no config.json"),
            (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--config_name", no_config), "holds no config.json"),
            (["flax/run_bert_flax.py", "--config_name", no_config], "holds no config.json"),
-           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"))
+           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
+           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)), "holds no TensorFlow weights"))
 
 
 def test_fill_mask_on_a_folder_without_tf_weights(trained_flax):

@@ -95,11 +95,12 @@ def test_repeats_are_interleaved_with_their_spread(quick, bench):
 def test_end_to_end_runs_the_real_scripts(tmp_path):
     """--end_to_end --quick: the original README's table shape (a row | MLM with a column per framework), the curves,
     and eval losses that are the scripts' own eval_results.json."""
-    check_ok(run(["benchmarks/run_benchmark.py", "--end_to_end", "--quick", "--output_dir", str(tmp_path)], env={"XLA_PYTHON": XLA_PYTHON}))
+    expected = ["flax_bf16", "torch", "torch_xla", "tf"]  # one mode per framework keeps CI short
+    check_ok(run(["benchmarks/run_benchmark.py", "--end_to_end", "--quick", "--modes", ",".join(expected), "--output_dir", str(tmp_path)],
+                 env={"XLA_PYTHON": XLA_PYTHON}))
     table = (tmp_path / "results.md").read_text()
     report = json.loads((tmp_path / "results.json").read_text())
     rows = {r["mode"]: r for r in report["end_to_end"]["modes"]}
-    expected = ["flax", "flax_bf16", "torch", "torch_bf16", "torch_xla"]
     assert list(rows) == expected and "| task | " + " | ".join(expected) + " |" in table
     assert next(line for line in table.splitlines() if line.startswith("| MLM |")).count("|") == len(expected) + 2
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -111,4 +112,6 @@ def test_end_to_end_runs_the_real_scripts(tmp_path):
         assert [p[0] for p in rows[name]["curve"]] == [5, 10, 15, 20] and rows[name]["curve"][-1][1] == pytest.approx(own["eval_loss"], abs=1e-4)
     worst = max(rows[name]["eval_loss"] for name in ran)
     assert report["end_to_end"]["target_loss"] == worst and all(rows[name]["time_to_target_s"] is not None for name in ran)
-    assert "tensorflow" in report["end_to_end"]["not_run"]
+    # The same initial weights and schedule: after 20 steps every framework is within mask noise of the others.
+    assert report["end_to_end"]["parity_gap"][0] < 0.1
+    assert "prepare_tfrecord_shards.py" in rows["tf"]["command"] and "--max_grad_norm 0" in rows["torch"]["command"]

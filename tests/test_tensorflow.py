@@ -116,11 +116,38 @@ def test_metrics_written_and_model_reloads(mirrored):
     train = json.loads((out / "train_results.json").read_text())
     metrics = json.loads((out / "eval_results.json").read_text())
     assert train["reload_max_abs_logit_diff"] <= 1e-6
-    assert 0.0 < metrics["eval_masked_accuracy"] < 1.0 and metrics["eval_loss"] < math.log(2000) - 1.0
+    assert 0.0 < metrics["eval_accuracy"] < 1.0 and metrics["eval_loss"] < math.log(2000) - 1.0
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     # Keras' batch-averaged loss and the token-weighted one agree closely on equal-length batches.
     assert abs(metrics["eval_keras_loss"] - metrics["eval_loss"]) < 0.1
     assert (out / "tf_model.h5").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_steps_schedule_and_tensorboard_from_given_weights(mirrored, prepared, tmp_path):
+    """--max_steps past the end of the data, --eval_steps, --warmup_steps and --model_name_or_path (the weights the
+    mirrored run trained), with the Trainer's TensorBoard tags at the global steps; --full_determinism repeats a run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    trained, _ = mirrored
+    out = tmp_path / "steps"
+    for folder in (out, tmp_path / "again"):
+        check_ok(run(mlm_args(prepared, folder, "--no_tpu", "--model_name_or_path", str(trained), "--per_replica_batch_size", "128",
+                              "--max_steps", "16", "--eval_steps", "6", "--warmup_steps", "8", "--full_determinism")))
+    train = json.loads((out / "train_results.json").read_text())
+    assert train["train_loss"] == json.loads((tmp_path / "again" / "train_results.json").read_text())["train_loss"]
+    assert train["train_steps"] == 16 and train["epochs"] == pytest.approx(16 * 128 / train["train_samples"]) and train["epochs"] > 1
+    (events,) = (out / "runs").rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    scalars = {tag: {e.step: float(make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)} for tag in accumulator.Tags()["tensors"]}
+    assert {"train/loss", "train/accuracy", "train/learning_rate", "eval/loss", "eval/accuracy"} <= set(scalars)
+    assert list(scalars["eval/loss"]) == [6, 12, 16]
+    assert scalars["eval/loss"][16] == pytest.approx(json.loads((out / "eval_results.json").read_text())["eval_loss"], rel=1e-6)
+    # Linear warm-up to the peak over 8 steps, then linear decay to 0 at step 16.
+    assert [scalars["train/learning_rate"][step] for step in (6, 12, 16)] == pytest.approx([3e-3 * 6 / 8, 3e-3 * 4 / 8, 0.0], abs=1e-9)
+    # It started from the trained weights: a fresh model is near log(vocabulary) after 6 steps.
+    assert scalars["eval/loss"][6] < math.log(2000) - 1.0
 
 
 def test_fill_mask_returns_k_scored_predictions(mirrored):
