@@ -642,7 +642,7 @@ def e2e_commands(name, args, files, size, out):
                  "--train_dataset": shards / "train", "--eval_dataset": shards / "validation", "--max_length": size["seq_len"],
                  "--per_replica_batch_size": size["batch_size"], "--weight_decay_rate": WEIGHT_DECAY}
         # The other scripts repeat a seeded run exactly by default; TF's input pipeline needs the flag.
-        commands = [*prepare, [*script, *(str(x) for kv in flags.items() for x in kv), "--overwrite_output_dir", "--full_determinism"]]
+        commands = [*prepare, [*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--full_determinism"]]
     else:
         flags = {**common, "--model_name_or_path": files["init"] / ("flax" if framework == "flax" else "pytorch"),
                  "--tokenizer_name": files["tokenizer"], "--train_file": files["train"], "--validation_file": files["validation"],
@@ -652,7 +652,7 @@ def e2e_commands(name, args, files, size, out):
         # The Trainer clips gradients at norm 1.0 by default; the Flax and TF scripts do not clip, so neither does it here.
         flags.update({"--save_steps": 10 * args.steps} if framework == "flax" else
                      {"--eval_strategy": "steps", "--save_strategy": "no", "--max_grad_norm": 0})
-        commands = [[*script, *(str(x) for kv in flags.items() for x in kv), "--overwrite_output_dir", "--do_train", "--do_eval"]]
+        commands = [[*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--do_train", "--do_eval"]]
     return [[str(x) for x in argv] for argv in commands]
 
 
