@@ -139,6 +139,7 @@ def worker_flax(spec, batches):
     from transformers import FlaxAutoModelForMaskedLM
 
     mlm = load_script("flax/run_mlm_flax.py")
+    mlm.release_compiler_memory()
     bf16 = spec["precision"] == "bf16"  # run_mlm_flax.py --dtype bfloat16: an f32 model with bf16 dense products
     # _do_init=False: the model object keeps no copy of the weights beside the train state's.
     model, params = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), _do_init=False)
@@ -178,6 +179,8 @@ def worker_flax(spec, batches):
         extra = {"devices": n}
     else:
         step = jax.jit(train_step, donate_argnums=(0,))
+        # Committed to the device like the step's outputs, so that the second step does not compile again.
+        state = jax.device_put(state, jax.devices()[0])
 
         def run(batch):
             nonlocal state

@@ -192,3 +192,27 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
     one, two = (json.loads((tmp_path / d / "eval_results.json").read_text()) for d in ("single", "multi"))
     assert two["eval_samples"] == one["eval_samples"] and two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-4)
     assert (tmp_path / "multi" / "checkpoint-4" / "trainer_state").is_dir()
+
+
+def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch):
+    """release_compiler_memory (shared verbatim by the four scripts) calls malloc_trim once per XLA compilation."""
+    import ctypes
+    import platform
+
+    import jax
+    import jax.numpy as jnp
+
+    from conftest import load_script
+
+    if platform.libc_ver()[0] == "glibc":
+        assert ctypes.CDLL("libc.so.6").malloc_trim  # the real path, not the no-op, runs here
+    script = load_script(MLM, "memory_run_mlm_flax")
+    calls = []
+    monkeypatch.setattr(script.ctypes, "CDLL", lambda name: type("Libc", (), {"malloc_trim": staticmethod(calls.append)}))
+    script.release_compiler_memory()
+    script.release_compiler_memory()  # a second main() in the same process adds no second listener
+    step = jax.jit(lambda x: jnp.cos(x) * 3)
+    step(np.ones(13, np.float32)).block_until_ready()  # a new function: one compilation
+    assert calls == [0]
+    step(np.ones(13, np.float32)).block_until_ready()  # compiled already: no trim
+    assert calls == [0]

@@ -28,7 +28,7 @@ SHARED = ["ModelArguments", "TrainingArguments", "TrainingPlan", "TrainingProgre
           "check_hub_name", "checkpoint_handler", "clear_checkpoints", "create_learning_rate_fn", "decay_mask_fn", "device_batch",
           "epoch_batches", "fail", "fetch_metrics", "find_checkpoint", "generate_batch_splits", "hub_reachable", "init_distributed",
           "list_checkpoints", "log_eval", "log_training", "open_hub_repo", "open_summary_writer", "parse_args", "replicate",
-          "restore_checkpoint", "save_all_but_transcendentals", "save_checkpoint", "save_pretrained", "setup_logging", "step_flops",
+          "release_compiler_memory", "restore_checkpoint", "save_all_but_transcendentals", "save_checkpoint", "save_pretrained", "setup_logging", "step_flops",
           "stop_diverged", "train", "unreplicate", "validate_training_args", "write_json", "write_results", "check_data_file",
           "check_writable", "validate_model_args", "lock_output_dir", "text_column", "check_attention_heads"]
 PHASES = ["parse_args", "validate_args", "find_checkpoint", "load_raw_datasets", "load_config_and_tokenizer", "resolve_max_seq_length",
