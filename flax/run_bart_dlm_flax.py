@@ -830,7 +830,9 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
 # (4096^2, GFLOP/s: 635-661 vs 311-357 on AVX-512 BF16, 1,121 vs 300 with AMX). Upstream's --dtype bfloat16 (the model's dtype)
 # gets the slow kind. Here --dtype bfloat16 keeps the model in f32 (parameters, optimizer state,
 # activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
-# bf16-rounded operands into f32 accumulators.
+# bf16-rounded operands into f32 accumulators. (XLA:CPU's fast bf16 kernel, XNNPACK, cannot take a transposed
+# left operand, so it runs the kernel-gradient product on its f32 path: same numbers, about a third of
+# the bf16 step's time at roberta-base; every way around it tried so far is in benchmarks/README.md.)
 
 def bf16_dot(a, b, contracting):
     return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())),
