@@ -739,7 +739,7 @@ def save_all_but_transcendentals(primitive, *_, **__):
 # XLA's compiler frees its working memory when it is done, but glibc's allocator keeps those pages, and the
 # train step's buffers then come on top: ~130 MB of the roberta-base step's peak RSS and ~210 MB (16 %) of
 # the main job's (measured, benchmarks/README.md). Handing them back to the OS after every compilation
-# costs ~15 ms per large compile.
+# costs 15-30 ms per large compile.
 @functools.cache  # one listener per process, however often main() runs
 def release_compiler_memory():
     """Call glibc's malloc_trim after every XLA compilation (a no-op where the C library is not glibc)."""
