@@ -684,9 +684,7 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
 # (4096^2, GFLOP/s: 635-661 vs 311-357 on AVX-512 BF16, 1,121 vs 300 with AMX). Upstream's --dtype bfloat16 (the model's dtype)
 # gets the slow kind. Here --dtype bfloat16 keeps the model in f32 (parameters, optimizer state,
 # activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
-# bf16-rounded operands into f32 accumulators. (XLA:CPU's fast bf16 kernel, XNNPACK, cannot take a transposed
-# left operand, so it runs the kernel-gradient product on its f32 path: same numbers, about a third of
-# the bf16 step's time at roberta-base; every way around it tried so far is in benchmarks/README.md.)
+# bf16-rounded operands into f32 accumulators.
 
 def bf16_dot(a, b, contracting):
     return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())),
@@ -707,8 +705,19 @@ def _bf16_matmul_fwd(x, kernel):
 def _bf16_matmul_bwd(residuals, grad):
     x, kernel = residuals
     dx = bf16_dot(grad, kernel, ((grad.ndim - 1,), (1,)))
-    dkernel = bf16_dot(x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]), ((0,), (0,)))
+    # The kernel gradient x^T g sums over tokens, the leading axis of both. XLA:CPU's bf16 kernel (XNNPACK)
+    # needs that axis last in its left operand, and where a kernel is used transposed (a tied LM head's
+    # embedding.T, GPT-2's Conv1D) XLA swaps the product's operands; so both go in as written-out transposes.
+    x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]).astype(jnp.bfloat16)
+    dkernel = bf16_dot(written_out_transpose(x), written_out_transpose(grad), ((1,), (1,)))
     return dx.astype(kernel.dtype), dkernel.astype(kernel.dtype)
+
+
+def written_out_transpose(a):
+    """a.T of a 2-D bf16 array as a new row-major array. XLA folds a plain transpose, even one behind an
+    optimization barrier, into the product that reads it (which then runs in f32 on CPU); one padded and
+    sliced back is written out."""
+    return jnp.pad(a.T, ((0, 0), (0, 1)))[:, :a.shape[0]]
 
 
 bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)

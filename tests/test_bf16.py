@@ -31,6 +31,17 @@ def dot_products(lowered_text):
     return found
 
 
+def compiled_dense_products(compiled_text):
+    """(operand element types, left operand's contracting axis is its last) of every dot_general without
+    batch dimensions in XLA's compiled HLO, after its own rewrites (operand widening, transpose folding)."""
+    types = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = ([a-z0-9]+\[[0-9,]*\])", compiled_text, re.M))
+    found = []
+    for a, b, lhs in re.findall(r" dot\(%(\S+), %(\S+)\), lhs_contracting_dims=\{(\d+)\}, rhs_contracting_dims=\{\d+\}(?!, \w*batch)", compiled_text):
+        rank = types[a].count(",") + 1
+        found.append(((types[a].split("[")[0], types[b].split("[")[0]), int(lhs) == rank - 1))
+    return found
+
+
 @pytest.mark.parametrize("path", [*TRAINING_SCRIPTS, "flax/run_bert_flax.py"])
 def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path):
     import flax.linen as nn
@@ -55,6 +66,9 @@ def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path):
     products = dot_products(jax.jit(grad, static_argnums=2).lower(params, x, True).as_text())
     assert len(products) == 3  # forward, and the two gradient products
     assert all(p == (False, ("bf16", "bf16"), "f32") for p in products), products
+    # ... and XLA:CPU keeps them so: bf16 operands, in the form its bf16 kernel takes (none widened to f32).
+    compiled = compiled_dense_products(jax.jit(grad, static_argnums=2).lower(params, x, True).compile().as_text())
+    assert compiled == [(("bf16", "bf16"), True)] * 3, compiled
 
 
 def model_loss_fn(path, model_dir):
@@ -87,10 +101,14 @@ def test_whole_model_dense_products_are_bf16(path, request):
     import jax
 
     params, loss = model_loss_fn(path, request.getfixturevalue(TRAINING_SCRIPTS[path][1]))
-    products = dot_products(jax.jit(jax.grad(loss), static_argnums=1).lower(params, True).as_text())
+    lowered = jax.jit(jax.grad(loss), static_argnums=1).lower(params, True)
+    products = dot_products(lowered.as_text())
     dense = [p for p in products if not p[0]]
     assert len(dense) >= 3 * 8, products
     assert all(p[1:] == (("bf16", "bf16"), "f32") for p in dense), products
+    compiled = lowered.compile()
+    assert set(compiled_dense_products(compiled.as_text())) == {(("bf16", "bf16"), True)}
+    jax.block_until_ready(compiled(params))  # XLA:CPU runs every one of them
     assert all(p[1] == ("f32", "f32") for p in products if p[0])
     assert all(p[1] == ("f32", "f32") for p in dot_products(jax.jit(jax.grad(loss), static_argnums=1).lower(params, False).as_text()))
 

@@ -168,9 +168,11 @@ def test_trainer_compatible_logs_and_results(request, corpus, tmp_path):
 @pytest.mark.parametrize("path", FLAX_TRAINING_SCRIPTS)
 def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_path):
     """Multi-host data parallelism: two processes with one device each (JAX over localhost) train exactly
-    as one process with two devices: same batches, noise, dropout and updates, and the same evaluation."""
-    steps = ["--do_train", "--do_eval", "--per_device_train_batch_size", "8", "--max_steps", "4", "--logging_steps", "1",
-             "--learning_rate", "1e-3", "--save_steps", "2", "--report_to", "none"]
+    as one process with two devices: same batches, noise, dropout and updates, and the same evaluation
+    (in bf16 with two micro-batches, so that --dtype bfloat16 is also run under pmap and lax.scan)."""
+    steps = ["--do_train", "--do_eval", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+             "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-3", "--save_steps", "2", "--report_to", "none",
+             "--dtype", "bfloat16"]
     single = check_ok(run(flax_args(path, request, corpus, tmp_path / "single", *steps), env=TWO_DEVICES))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
