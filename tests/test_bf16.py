@@ -43,12 +43,14 @@ def compiled_dense_products(compiled_text):
 
 
 @pytest.mark.parametrize("path", [*TRAINING_SCRIPTS, "flax/run_bert_flax.py"])
-def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path):
+@pytest.mark.parametrize("transposes_pay", [False, True])
+def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path, transposes_pay, monkeypatch):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     script = load_script(path, "bf16_" + path.split("/")[-1][:-3])
+    monkeypatch.setattr(script, "transposes_pay", lambda *_: transposes_pay)  # both ways of the kernel gradient
     layer = nn.Dense(48)
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 32))
     params = layer.init(jax.random.PRNGKey(1), x)
@@ -59,24 +61,29 @@ def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path):
 
     grad = jax.grad(loss, argnums=(0, 1))
     exact = jax.tree_util.tree_leaves(grad(params, x, False))
-    bf16 = jax.tree_util.tree_leaves(grad(params, x, True))
+    bf16 = jax.tree_util.tree_leaves(jax.jit(grad, static_argnums=2)(params, x, True))
     for a, b in zip(exact, bf16, strict=True):
         assert a.dtype == b.dtype == jnp.float32
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 1e-2  # bf16 rounding, accumulated in f32
     products = dot_products(jax.jit(grad, static_argnums=2).lower(params, x, True).as_text())
     assert len(products) == 3  # forward, and the two gradient products
     assert all(p == (False, ("bf16", "bf16"), "f32") for p in products), products
-    # ... and XLA:CPU keeps them so: bf16 operands, in the form its bf16 kernel takes (none widened to f32).
+    # ... and with written-out transposes XLA:CPU keeps all three so: bf16 operands, in the form its bf16
+    # kernel takes; without, it widens the kernel gradient's operands to f32.
     compiled = compiled_dense_products(jax.jit(grad, static_argnums=2).lower(params, x, True).compile().as_text())
-    assert compiled == [(("bf16", "bf16"), True)] * 3, compiled
+    widened = [] if transposes_pay else [(("f32", "f32"), False)]
+    assert sorted(compiled) == sorted([(("bf16", "bf16"), True)] * (3 - len(widened)) + widened), compiled
 
 
-def model_loss_fn(path, model_dir):
-    """A tiny model from model_dir and a function (params, bf16) -> loss through the script's own logits path."""
+def model_loss_fn(path, model_dir, transposes_pay=None):
+    """A tiny model from model_dir and a function (params, bf16) -> loss through the script's own logits path
+    (transposes_pay, if given, overrides the script's choice of kernel-gradient product)."""
     import jax.numpy as jnp
     import transformers
 
     script = load_script(path, "bf16_model_" + path.split("/")[-1][:-3])
+    if transposes_pay is not None:
+        script.transposes_pay = lambda *_: transposes_pay
     config = transformers.AutoConfig.from_pretrained(model_dir)
     ids = jnp.asarray(np.random.default_rng(0).integers(5, 900, size=(2, 32)), dtype=jnp.int32)
     if path.endswith("run_mlm_flax.py"):
@@ -96,11 +103,12 @@ def model_loss_fn(path, model_dir):
 @pytest.mark.parametrize("path", TRAINING_SCRIPTS)
 def test_whole_model_dense_products_are_bf16(path, request):
     """In the gradient of a whole model, every product without batch dimensions (the dense layers, GPT-2's
-    Conv1D, the tied LM head, and their gradients) is bf16 x bf16 -> f32; only the attention products,
-    which have batch dimensions, stay f32."""
+    Conv1D, the tied LM head, and their gradients) is bf16 x bf16 -> f32, and with written-out transposes
+    XLA:CPU runs every one of them in bf16, tied heads included; only the attention products, which have
+    batch dimensions, stay f32."""
     import jax
 
-    params, loss = model_loss_fn(path, request.getfixturevalue(TRAINING_SCRIPTS[path][1]))
+    params, loss = model_loss_fn(path, request.getfixturevalue(TRAINING_SCRIPTS[path][1]), transposes_pay=True)
     lowered = jax.jit(jax.grad(loss), static_argnums=1).lower(params, True)
     products = dot_products(lowered.as_text())
     dense = [p for p in products if not p[0]]
