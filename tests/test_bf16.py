@@ -60,19 +60,21 @@ def test_rerouted_dense_gradients_match_f32_and_every_product_is_bf16(path, tran
             return jnp.sum(jnp.sin(layer.apply(params, x)))
 
     grad = jax.grad(loss, argnums=(0, 1))
+    lowered = jax.jit(grad, static_argnums=2).lower(params, x, True)
+    compiled = lowered.compile()
     exact = jax.tree_util.tree_leaves(grad(params, x, False))
-    bf16 = jax.tree_util.tree_leaves(jax.jit(grad, static_argnums=2)(params, x, True))
+    bf16 = jax.tree_util.tree_leaves(compiled(params, x))
     for a, b in zip(exact, bf16, strict=True):
         assert a.dtype == b.dtype == jnp.float32
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 1e-2  # bf16 rounding, accumulated in f32
-    products = dot_products(jax.jit(grad, static_argnums=2).lower(params, x, True).as_text())
+    products = dot_products(lowered.as_text())
     assert len(products) == 3  # forward, and the two gradient products
     assert all(p == (False, ("bf16", "bf16"), "f32") for p in products), products
     # ... and with written-out transposes XLA:CPU keeps all three so: bf16 operands, in the form its bf16
     # kernel takes; without, it widens the kernel gradient's operands to f32.
-    compiled = compiled_dense_products(jax.jit(grad, static_argnums=2).lower(params, x, True).compile().as_text())
     widened = [] if transposes_pay else [(("f32", "f32"), False)]
-    assert sorted(compiled) == sorted([(("bf16", "bf16"), True)] * (3 - len(widened)) + widened), compiled
+    expected = [(("bf16", "bf16"), True)] * (3 - len(widened)) + widened
+    assert sorted(compiled_dense_products(compiled.as_text())) == sorted(expected)
 
 
 def model_loss_fn(path, model_dir, transposes_pay=None):

@@ -24,7 +24,8 @@ def test_imports_resolve_to_site_packages_from_repo_root():
 
 # The machinery the four Flax training scripts share: the same text in each (each script is self-contained
 # by design), so that a diff of two scripts shows only what differs by objective.
-SHARED = ["ModelArguments", "TrainingArguments", "TrainingPlan", "TrainingProgress", "Window", "bf16_dot", "bf16_matmul", "transposes_pay", "written_out_transpose",
+SHARED = ["ModelArguments", "TrainingArguments", "TrainingPlan", "TrainingProgress", "Window", "bf16_dot", "bf16_matmul",
+          "_bf16_matmul_fwd", "_bf16_matmul_bwd", "transposes_pay", "written_out_transpose",
           "check_hub_name", "checkpoint_handler", "clear_checkpoints", "create_learning_rate_fn", "decay_mask_fn", "device_batch",
           "epoch_batches", "fail", "fetch_metrics", "find_checkpoint", "generate_batch_splits", "hub_reachable", "init_distributed",
           "list_checkpoints", "log_eval", "log_training", "open_hub_repo", "open_summary_writer", "parse_args", "replicate",
