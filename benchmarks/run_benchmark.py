@@ -32,7 +32,11 @@ Per mode: first step (tracing/compilation included), median of the timed steps (
 fetching its loss), tokens/s, model FLOPs per step and MFU against the matrix-multiply peak measured
 in this run, peak RSS, and the train loss after the common number of steps. Also: tokenization and
 grouping throughput (linear-time group_texts vs upstream's sum(lists, [])), and run_bert_flax.py fp32
-vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}.
+vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}, with the CPU model and its bf16 support.
+
+On a CPU without bf16 instructions (AVX2 only, say) bf16 is computed in f32 or emulated, no faster than fp32 and in
+PyTorch many times slower: the bf16 modes and the bf16 inference line are skipped, with the reason in their rows,
+unless --modes names a bf16 mode (then they run, after a warning). LM_CPU_BF16=1 or 0 overrides what the CPU's flags say.
 """
 
 import argparse
@@ -76,6 +80,43 @@ MLM_PROBABILITY = 0.15
 
 def fail(message):
     sys.exit(f"run_benchmark.py: error: {message}")
+
+
+def cpu_bf16(cpuinfo="/proc/cpuinfo"):
+    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
+    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    try:
+        with open(cpuinfo) as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
+               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    override = os.environ.get("LM_CPU_BF16", "")
+    if override not in ("", "0", "1"):
+        fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
+    if override:
+        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
+    return fields.get("model name", "unknown CPU"), support
+
+
+def slow_bf16(modes, precisions, named):
+    """{mode: why it is skipped} for the bf16 modes on a CPU without bf16 instructions, where bf16 is computed in f32
+    or emulated (slower than fp32, PyTorch's many times so). Modes named in --modes run anyway, with a warning."""
+    model, support = cpu_bf16()
+    bf16 = [m for m in modes if precisions[m] == "bf16"]
+    if not support.startswith("none") or not bf16:
+        return {}
+    if named:
+        print(f"warning: {', '.join(bf16)}: this CPU ({model}, bf16: {support}) has no bf16 instructions; they run as "
+              "asked, no faster than fp32 (PyTorch's many times slower)", file=sys.stderr)
+        return {}
+    return {m: f"this CPU has no bf16 instructions (bf16: {support}), so bf16 is no faster than fp32 here; name it in "
+               "--modes to run it anyway" for m in bf16}
 
 
 def model_flops_per_step(config, batch_size, seq_len):
@@ -269,13 +310,13 @@ def worker_tf(spec, batches):
 
 
 def matmul_worker(spec):
-    """GFLOP/s of an n x n matrix product in one framework, fp32 and bf16, from the fastest of `reps` timed
-    calls (a peak: interference from elsewhere on the machine only ever slows a call down)."""
+    """GFLOP/s of an n x n matrix product in one framework, in each of spec's precisions, from the fastest of
+    `reps` timed calls (a peak: interference from elsewhere on the machine only ever slows a call down)."""
     n, reps, framework = spec["n"], spec["reps"], spec["framework"]
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
     out = {}
-    for precision in ("fp32", "bf16"):
+    for precision in spec["precisions"]:
         if framework == "torch":
             import torch
 
@@ -446,21 +487,15 @@ def prepare_data(work, args, size, bar):
 
 
 def machine_info():
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    cpu, bf16 = cpu_bf16()
+    return {"cpu": cpu, "bf16": bf16, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
 
 
 def summarize(name, results, flops, peaks, warmup_steps, size):
     """One mode's row from its repeats: the median over repeats of each repeat's median step, with the range."""
     framework, precision, what = MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision, "what": what}
+    peak, bf16_peak = peaks.get(precision, peaks["fp32"]), peaks.get("bf16", peaks["fp32"])  # no bf16 peak: bf16 runs in f32
     failed = next((r for r in results if "error" in r or "skipped" in r), None)
     if failed is not None:
         return {**row, **failed}
@@ -472,7 +507,7 @@ def summarize(name, results, flops, peaks, warmup_steps, size):
                first_step_s=float(np.median([r["times"][0] for r in results])), step_ms=1000 * step_s,
                step_ms_range=[min(by_repeat), max(by_repeat)], peak_rss_mb=max(r["peak_rss_mb"] for r in results),
                tokens_per_s=size["batch_size"] * size["seq_len"] / step_s, gflops=achieved,
-               mfu=achieved / peaks[precision], mfu_vs_bf16_peak=achieved / peaks["bf16"], final_loss=results[0]["losses"][-1])
+               mfu=achieved / peak, mfu_vs_bf16_peak=achieved / bf16_peak, final_loss=results[0]["losses"][-1])
     return row
 
 
@@ -495,14 +530,16 @@ def write_outputs(out, report):
     lines = [
         f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
         "",
-        f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}; "
+        f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}; "
         + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())) + ".",
         f"Command: `{report['command']}`."
         + (f" Flax modes ran with XLA_FLAGS=`{report['xla_flags']}`." if report["xla_flags"] else "")
         + f" {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
         f"median of the other {w['steps'] - w['warmup_steps']}. Model FLOPs per step: {w['flops_per_step'] / 1e9:.1f} GFLOP. "
         f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
-        f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 {report['matmul']['peak']['bf16']:.0f} GFLOP/s.",
+        f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 "
+        + (f"{report['matmul']['peak']['bf16']:.0f} GFLOP/s." if "bf16" in report["matmul"]["peak"]
+           else "not measured (no bf16 instructions: bf16 modes are measured against the fp32 peak)."),
         "",
         f"Every mode ran {w['repeats']} times, interleaved (A B C A B C ...); step (ms) is the median over the repeats, with their range.",
         "",
@@ -522,7 +559,8 @@ def write_outputs(out, report):
         lines.append(f"- {goal}")
     lines += ["", "## Matrix multiply (GFLOP/s)", "", "| framework | fp32 | bf16 |", "| --- | ---: | ---: |"]
     for fw, v in report["matmul"]["frameworks"].items():
-        lines.append(f"| {fw} | {v['fp32']:.0f} | {v['bf16']:.0f} |" if "fp32" in v else f"| {fw} | failed: {v.get('error')} | |")
+        lines.append(f"| {fw} | {v['fp32']:.0f} | {v['bf16']:.0f} |" if "bf16" in v else f"| {fw} | {v['fp32']:.0f} | not measured |"
+                     if "fp32" in v else f"| {fw} | failed: {v.get('error')} | |")
     p = report["preprocessing"]
     lines += ["", f"## Preprocessing ({p['lines']:,} PTB lines, {p['tokens']:,} tokens)", "", "| stage | seconds | tokens/s |",
               "| --- | ---: | ---: |", f"| tokenize | {p['tokenize_s']:.2f} | {p['tokenize_tokens_per_s']:,.0f} |"]
@@ -535,7 +573,7 @@ def write_outputs(out, report):
         for precision in ("float32", "bfloat16"):
             r = inference.get(precision, {})
             lines.append(f"| {precision} | {r['median_s']:.3f} | {r['examples_per_second']:.1f} |" if "median_s" in r
-                         else f"| {precision} | failed: {r.get('error')} | |")
+                         else f"| {precision} | skipped: {r['skipped']} | |" if "skipped" in r else f"| {precision} | failed: {r.get('error')} | |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -558,9 +596,11 @@ def write_outputs(out, report):
     plt.close(fig)
 
 
-def goals(rows, peaks):
+def goals(rows, peaks, machine):
     ok = {r["mode"]: r for r in rows if "step_ms" in r}
-    out = []
+    out = [f"These ratios hold for this CPU class ({machine['cpu']}, bf16: {machine['bf16']}) and the {len(ok)} modes that ran "
+           f"({', '.join(ok) or 'none'}); CPUs with other bf16 support give other ratios."]
+    peak_name = "bf16" if "bf16" in peaks else "fp32"
     flax_best = min((r for r in ok.values() if r["framework"] == "flax"), key=lambda r: r["step_ms"], default=None)
     others = [r for r in ok.values() if r["framework"] != "flax"]
     if flax_best and others:
@@ -568,8 +608,8 @@ def goals(rows, peaks):
         out.append(f"Flax's fastest mode ({flax_best['mode']}, {flax_best['step_ms']:.1f} ms) vs the fastest other mode "
                    f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {per_round(fastest, flax_best)} as fast, per round, median "
                    "[min-max] (goal >= 1.0x); " + ", ".join(f"{r['mode']} {per_round(r, flax_best)}" for r in others))
-        out.append(f"Flax ({flax_best['mode']}) vs the bf16 matmul peak ({peaks['bf16']:.0f} GFLOP/s): "
-                   f"{100 * flax_best['gflops'] / peaks['bf16']:.1f} % (goal >= 60 %)")
+        out.append(f"Flax ({flax_best['mode']}) vs the {peak_name} matmul peak ({peaks[peak_name]:.0f} GFLOP/s): "
+                   f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= 60 %)")
         torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
         if torch_modes:
             torch_fastest = min(torch_modes, key=lambda r: r["step_ms"])
@@ -663,6 +703,8 @@ def end_to_end_mode(name, args, files, size, work):
     """Run one framework's script on the shared corpus, tokenizer, initial weights and schedule; its row."""
     framework, precision, _ = E2E_MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision}
+    if name in args.skipped:
+        return {**row, "skipped": args.skipped[name]}
     python, env = sys.executable, {k: v for k, v in os.environ.items() if k not in ("USE_TF", "USE_TORCH", "USE_FLAX")}
     if name == "torch_xla":
         if not os.path.exists(args.xla_python):
@@ -731,7 +773,8 @@ def write_end_to_end(out, report):
     rows, ran = e2e["modes"], [r for r in e2e["modes"] if "eval_loss" in r]
     cell = {r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else ("skipped" if "skipped" in r else "failed") for r in rows}
     lines = [f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)", "",
-             f"{report['machine']['cpu']}, {report['machine']['cores']} cores; {report['date']}. Command: `{report['command']}`. "
+             f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}. "
+             f"Command: `{report['command']}`. "
              f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
              f"{w['steps'] // 10} warm-up steps with linear decay, no gradient clipping, the same initial weights, tokenizer, text and held-out blocks; "
              f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:", "",
@@ -796,7 +839,8 @@ def main(argv=None):
     parser.add_argument("--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise).")
     parser.add_argument("--batch_size", type=int, default=None, help="Override the preset's global batch.")
     parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
-    parser.add_argument("--modes", default=None, help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}).")
+    parser.add_argument("--modes", default=None, help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}). "
+                        "Default: all but flax_pmap, and no bf16 mode on a CPU without bf16 instructions.")
     parser.add_argument("--end_to_end", action="store_true", help="Run the real training scripts instead (flax/run_mlm_flax.py, "
                         "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): whole-command wall time, eval curves, time to a target.")
     parser.add_argument("--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4).")
@@ -834,6 +878,8 @@ def main(argv=None):
     size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
     if "flax_pmap" in modes and size["batch_size"] % args.flax_devices:
         fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
+    args.skipped = slow_bf16(modes, {m: known[m][1] for m in modes}, named=args.modes is not None)
+    native_bf16 = not cpu_bf16()[1].startswith("none")
     out = Path(args.output_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -854,13 +900,15 @@ def main(argv=None):
     matmul = {}
     for fw in frameworks:
         bar.set_postfix_str(f"matmul {fw}")
-        res = run_worker({"kind": "matmul", "framework": fw, "n": n, "reps": 5 if args.quick else 7}, work)
+        # without bf16 instructions, a bf16 product is no peak (PyTorch's 4096^2 one takes many minutes): fp32 only
+        res = run_worker({"kind": "matmul", "framework": fw, "n": n, "reps": 5 if args.quick else 7,
+                          "precisions": ["fp32", "bf16"] if native_bf16 else ["fp32"]}, work)
         matmul[fw] = {k: v for k, v in res.items() if k in ("fp32", "bf16", "error")}
         bar.update(1)
     measured = [v for v in matmul.values() if "fp32" in v]
     if not measured:
         fail("no framework could time a matrix product: " + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items()))
-    peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16")}
+    peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16") if all(p in v for v in measured)}
 
     bar.set_postfix_str("initial weights")
     init_dir = work / f"init-{args.size}"
@@ -876,7 +924,9 @@ def main(argv=None):
         bar.set_postfix_str(f"{name} ({round_index + 1}/{args.repeats})")
         spec = {"kind": "train", "mode": name, "precision": MODES[name][1], "config_dir": str(config_dir), "init_dir": str(init_dir),
                 "batches": str(batches_path), "warmup_steps": args.warmup_steps, "work_dir": str(work / name)}
-        if name == "torch_xla":
+        if name in args.skipped:
+            result = {"skipped": args.skipped[name]}
+        elif name == "torch_xla":
             if not os.path.exists(args.xla_python):
                 result = {"skipped": f"no PyTorch/XLA environment at {args.xla_python} (bash run.sh setup-xla)"}
             else:
@@ -897,6 +947,10 @@ def main(argv=None):
             else ["--num_warmup", "2", "--num_iterations", "10"]
         inference["setup"] = "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
         for precision in ("float32", "bfloat16"):
+            if precision == "bfloat16" and not (native_bf16 or any(MODES[m][1] == "bf16" for m in modes if m not in args.skipped)):
+                inference[precision] = {"skipped": "this CPU has no bf16 instructions; name a bf16 mode in --modes to run it anyway"}
+                bar.update(1)
+                continue
             bar.set_postfix_str(f"inference {precision}")
             path = work / f"bert-{precision}.json"
             proc = subprocess.run([sys.executable, "flax/run_bert_flax.py", "--precision", precision, "--output_file", str(path), *setup],
@@ -927,7 +981,7 @@ def main(argv=None):
         "inference": inference,
         "runtime_s": time.perf_counter() - started,
     }
-    report["goals"] = goals(rows, peaks)
+    report["goals"] = goals(rows, peaks, report["machine"])
     write_outputs(out, report)
     print((out / "results.md").read_text())
     print(f"Wrote {out / 'results.md'}, results.json and results.png in {report['runtime_s']:.0f} s")

@@ -808,6 +808,38 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
 # activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
 # bf16-rounded operands into f32 accumulators.
 
+def cpu_bf16(cpuinfo="/proc/cpuinfo"):
+    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
+    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    try:
+        with open(cpuinfo) as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
+               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    override = os.environ.get("LM_CPU_BF16", "")
+    if override not in ("", "0", "1"):
+        fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
+    if override:
+        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
+    return fields.get("model name", "unknown CPU"), support
+
+
+def warn_if_bf16_is_slow(flag, value):
+    """One warning line when bfloat16 is asked for on a CPU without bf16 instructions; the run goes on as asked."""
+    if value != "bfloat16" or jax.default_backend() != "cpu":
+        return
+    model, support = cpu_bf16()
+    if support.startswith("none"):
+        logger.warning(f"{flag} bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; XLA computes bf16 "
+                       "products in f32 here, so float32 is as fast or faster. Going on as asked.")
+
+
 def bf16_dot(a, b, contracting):
     return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())),
                            preferred_element_type=jnp.float32)
@@ -842,8 +874,10 @@ def _bf16_matmul_bwd(residuals, grad):
 def transposes_pay(tokens, kernel_shape):
     """Whether the kernel-gradient product of `tokens` rows is faster from written-out transposes: measured on
     CPU for up to 1,024 tokens and layer widths of 512-4,096 (2-2.7x at 768, benchmarks/README.md). Beyond
-    that, XLA:CPU's transposes can cost more than they save; other backends take transposed operands as they are."""
-    return jax.default_backend() == "cpu" and tokens <= 1024 and all(512 <= n <= 4096 for n in kernel_shape)
+    that, XLA:CPU's transposes can cost more than they save; a CPU without bf16 instructions computes the product
+    in f32 either way; other backends take transposed operands as they are."""
+    return (jax.default_backend() == "cpu" and tokens <= 1024 and all(512 <= n <= 4096 for n in kernel_shape)
+            and not cpu_bf16()[1].startswith("none"))
 
 
 def written_out_transpose(a):
@@ -1343,6 +1377,7 @@ def main(argv=None):
     checkpoint = find_checkpoint(training_args)
     init_distributed()
     release_compiler_memory()
+    warn_if_bf16_is_slow("--dtype", model_args.dtype)
     lock = lock_output_dir(training_args.output_dir) if jax.process_index() == 0 else None
     if jax.process_index() != 0:
         datasets.utils.logging.set_verbosity_error()

@@ -139,6 +139,38 @@ def check_hub_name(flag, name):
              "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
 
 
+def cpu_bf16(cpuinfo="/proc/cpuinfo"):
+    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
+    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    try:
+        with open(cpuinfo) as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
+               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    override = os.environ.get("LM_CPU_BF16", "")
+    if override not in ("", "0", "1"):
+        fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
+    if override:
+        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
+    return fields.get("model name", "unknown CPU"), support
+
+
+def warn_if_bf16_is_slow(training_args):
+    """One warning line when --bf16 is asked for on a CPU without bf16 instructions; the run goes on as asked."""
+    if not training_args.bf16 or training_args.device.type != "cpu":
+        return
+    model, support = cpu_bf16()
+    if support.startswith("none"):
+        logger.warning(f"--bf16: this CPU ({model}, bf16: {support}) has no bf16 instructions; PyTorch emulates bf16 "
+                       "products here, many times slower than float32. Going on as asked.")
+
+
 def has_accelerator():
     return torch.cuda.is_available() or is_torch_xla_available() or is_torch_mps_available() or is_torch_xpu_available()
 
@@ -585,6 +617,7 @@ def main(argv=None):
     transformers.utils.logging.enable_explicit_format()
 
     validate_args(model_args, data_args, training_args)
+    warn_if_bf16_is_slow(training_args)
     if is_torch_xla_available() and training_args.optim == "adamw_torch_fused":
         logger.warning("--optim adamw_torch_fused does not run on XLA devices; using adamw_torch")
         training_args.optim = "adamw_torch"

@@ -148,6 +148,38 @@ def initialize_tpu(args):
     return tpu
 
 
+def cpu_bf16(cpuinfo="/proc/cpuinfo"):
+    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
+    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    try:
+        with open(cpuinfo) as f:
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
+               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    override = os.environ.get("LM_CPU_BF16", "")
+    if override not in ("", "0", "1"):
+        fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
+    if override:
+        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
+    return fields.get("model name", "unknown CPU"), support
+
+
+def warn_if_bf16_is_slow(strategy_name):
+    """One warning line when --bfloat16 is asked for on a CPU without bf16 instructions; the run goes on as asked."""
+    if strategy_name == "TPUStrategy" or tf.config.list_logical_devices("GPU"):
+        return
+    model, support = cpu_bf16()
+    if support.startswith("none"):
+        logger.warning(f"--bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; TensorFlow computes "
+                       "bf16 in f32 here, with conversions: slower than float32. Going on as asked.")
+
+
 def choose_strategy(args):
     """TPUStrategy when a TPU answers; else MirroredStrategy over several GPUs or logical CPU devices;
     else OneDeviceStrategy. Returns the strategy and its name for the log and results."""
@@ -395,6 +427,7 @@ def main(argv=None):
 
     if args.bfloat16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        warn_if_bf16_is_slow(strategy_name)
     keras.utils.set_random_seed(args.seed)
     if args.full_determinism:
         tf.config.experimental.enable_op_determinism()
@@ -402,8 +435,9 @@ def main(argv=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         config = AutoConfig.from_pretrained(config_source)
-    except (OSError, ValueError) as e:
-        fail(f"cannot load the tokenizer or config: {str(e).splitlines()[0]}")
+    except Exception as e:  # noqa: BLE001 - a folder without tokenizer files raises AttributeError, not OSError
+        fail(f"cannot load the tokenizer or config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
+             "is --tokenizer a folder written by train_unigram.py or save_pretrained?")
     if tokenizer.mask_token is None:
         fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
     if args.model_name_or_path and config.vocab_size != len(tokenizer):

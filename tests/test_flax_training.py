@@ -169,24 +169,27 @@ def test_trainer_compatible_logs_and_results(request, corpus, tmp_path):
 def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_path):
     """Multi-host data parallelism: two processes with one device each (JAX over localhost) train exactly
     as one process with two devices: same batches, noise, dropout and updates, and the same evaluation
-    (in bf16 with two micro-batches, so that --dtype bfloat16 is also run under pmap and lax.scan)."""
+    (in bf16 with two micro-batches, so that --dtype bfloat16 is also run under pmap and lax.scan). --dtype bfloat16
+    warns once on a CPU without bf16 instructions (LM_CPU_BF16=0), and not on one with them (LM_CPU_BF16=1)."""
     steps = ["--do_train", "--do_eval", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
              "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-3", "--save_steps", "2", "--report_to", "none",
              "--dtype", "bfloat16"]
-    single = check_ok(run(flax_args(path, request, corpus, tmp_path / "single", *steps), env=TWO_DEVICES))
+    single = check_ok(run(flax_args(path, request, corpus, tmp_path / "single", *steps), env={**TWO_DEVICES, "LM_CPU_BF16": "0"}))
+    warnings = [line for line in single.stderr.splitlines() if "no bf16 instructions" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and "--dtype bfloat16: this CPU" in warnings[0], single.stderr[-3000:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
         env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
-               "JAX_PROCESS_ID": str(rank), "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}")}
+               "JAX_PROCESS_ID": str(rank), "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}"), "LM_CPU_BF16": "1"}
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen([sys.executable, *flax_args(path, request, corpus, tmp_path / "multi", *steps)],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "2 devices (1 local)" in logs[0]
+    assert "2 devices (1 local)" in logs[0] and not any("no bf16 instructions" in log for log in logs)
     expected = logged_losses(single.stdout + single.stderr)
     assert len(expected) == 4
     for log in logs:  # every process reports the global loss

@@ -31,7 +31,8 @@ SHARED = ["ModelArguments", "TrainingArguments", "TrainingPlan", "TrainingProgre
           "list_checkpoints", "log_eval", "log_training", "open_hub_repo", "open_summary_writer", "parse_args", "replicate",
           "release_compiler_memory", "restore_checkpoint", "save_all_but_transcendentals", "save_checkpoint", "save_pretrained", "setup_logging", "step_flops",
           "stop_diverged", "train", "unreplicate", "validate_training_args", "write_json", "write_results", "check_data_file",
-          "check_writable", "validate_model_args", "lock_output_dir", "text_column", "check_attention_heads"]
+          "check_writable", "validate_model_args", "lock_output_dir", "text_column", "check_attention_heads", "cpu_bf16",
+          "warn_if_bf16_is_slow"]
 PHASES = ["parse_args", "validate_args", "find_checkpoint", "load_raw_datasets", "load_config_and_tokenizer", "resolve_max_seq_length",
           "preprocess", "plan_training", "build_train_state", "make_train_step", "make_eval_step", "train", "evaluate", "write_results"]
 
@@ -57,3 +58,20 @@ def test_flax_training_scripts_share_their_machinery_verbatim():
     for path in others:
         differing = [name for name in SHARED if texts[path][name] != texts[first][name]]
         assert not differing, f"{path} and {first} differ in {differing}: change all four scripts alike"
+
+
+def test_every_script_tells_bf16_support_with_the_same_function():
+    """cpu_bf16 (what the CPU's flags say of bf16) is one text in every script that needs it, and run_bert_flax.py
+    shares the Flax scripts' whole bf16 block."""
+    import ast
+
+    def definitions(path):
+        source = open(os.path.join(ROOT, path)).read()
+        return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+
+    mlm = definitions("flax/run_mlm_flax.py")
+    for path in ("flax/run_bert_flax.py", "pytorch/run_mlm.py", "tensorflow/run_mlm.py", "benchmarks/run_benchmark.py"):
+        assert definitions(path)["cpu_bf16"] == mlm["cpu_bf16"], path
+    bert = definitions("flax/run_bert_flax.py")
+    for name in ("warn_if_bf16_is_slow", "bf16_dot", "_bf16_matmul_fwd", "_bf16_matmul_bwd", "transposes_pay", "written_out_transpose"):
+        assert bert[name] == mlm[name], name

@@ -153,8 +153,10 @@ def test_torchrun_two_processes_equals_one_process(equivalence):
 
 
 def test_bf16_autocast_on_cpu(equivalence):
+    """--bf16 runs as CPU autocast; on a CPU without bf16 instructions (LM_CPU_BF16=0) after one warning."""
     root, args, expected = equivalence
-    result = check_ok(run(args("bf16", 8, "--bf16")))
+    result = check_ok(run(args("bf16", 8, "--bf16"), env={"LM_CPU_BF16": "0"}))
+    assert (result.stdout + result.stderr).count("--bf16: this CPU") == 1
     losses = trainer_losses(result.stdout)
     assert losses == pytest.approx(expected, abs=0.05) and losses[-1] < losses[0]
 
@@ -260,3 +262,16 @@ def test_hub_names_while_offline(bad, tmp_path):
     assert "--dataset_name 'oscar-corpus/oscar'" in bad("--dataset_name", "oscar-corpus/oscar", env=offline)
     assert "--push_to_hub" in bad("--push_to_hub", env=offline)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_bf16_warning_only_without_bf16_instructions(native, monkeypatch):
+    from types import SimpleNamespace
+
+    module = load_script(SCRIPT, "pytorch_run_mlm_bf16")
+    warned = []
+    monkeypatch.setattr(module.logger, "warning", warned.append)
+    monkeypatch.setenv("LM_CPU_BF16", native)
+    for bf16 in (False, True):
+        module.warn_if_bf16_is_slow(SimpleNamespace(bf16=bf16, device=module.torch.device("cpu")))
+    assert len(warned) == (native == "0") and all(w.startswith("--bf16: this CPU") for w in warned)

@@ -14,13 +14,15 @@ def test_reports_throughput(precision, tmp_path):
     out = tmp_path / "r.json"
     result = check_ok(run(["flax/run_bert_flax.py", "--precision", precision, "--config_overrides", TINY,
                            "--batch_size", "4", "--seq_length", "16", "--num_warmup", "2", "--num_iterations", "5",
-                           "--output_file", str(out)]))
+                           "--output_file", str(out)], env={"LM_CPU_BF16": "0"}))
     r = json.loads(out.read_text())
     assert r["precision"] == precision and r["num_iterations"] == 5
     assert 0 < r["min_s"] <= r["median_s"] < r["warmup_s"] + 1.0
     assert r["examples_per_second"] == pytest.approx(4 / r["median_s"])
     assert r["tokens_per_second"] == pytest.approx(64 / r["median_s"])
     assert f"{precision}: median" in result.stdout
+    # on a CPU without bf16 instructions, bfloat16 warns once and runs
+    assert result.stderr.count("--precision bfloat16: this CPU") == (precision == "bfloat16")
 
 
 def test_bad_input():

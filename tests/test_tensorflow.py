@@ -240,6 +240,11 @@ def test_bad_shards(prepared, tmp_path):
 def test_missing_tokenizer_and_hub_offline(prepared, tmp_path):
     line = error_line(run(mlm_args(prepared, tmp_path / "out", "--tokenizer", str(tmp_path / "no-tokenizer")), env=OFFLINE), "run_mlm.py")
     assert "--tokenizer" in line and "no-tokenizer" in line
+    # an empty tokenizer folder fails after the strategy is chosen: --bfloat16 on a CPU without bf16 instructions warned first
+    (tmp_path / "empty").mkdir()
+    result = run(mlm_args(prepared, tmp_path / "out2", "--no_tpu", "--bfloat16", "--tokenizer", str(tmp_path / "empty")),
+                 env={**OFFLINE, "LM_CPU_BF16": "0"})
+    assert "cannot load the tokenizer" in error_line(result, "run_mlm.py") and result.stderr.count("--bfloat16: this CPU") == 1
     line = error_line(run(mlm_args(prepared, tmp_path / "out", "--hub_model_id", "me/tiny"), env=OFFLINE), "run_mlm.py")
     assert "--hub_model_id" in line and "unreachable" in line
     line = error_line(run(["tensorflow/train_unigram.py", "--dataset_name", "wikitext", "--output_dir", str(tmp_path / "tok")], env=OFFLINE),
@@ -254,3 +259,13 @@ def test_shards_are_not_overwritten(prepared, corpus):
                            "--max_length", "32", "--output_dir", str(prepared / "shards")]), "prepare_tfrecord_shards.py")
     assert "--overwrite_output_dir" in line
     assert sorted(p.name for p in (prepared / "shards" / "validation").iterdir()) == before
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_bfloat16_warning_only_without_bf16_instructions(script, native, monkeypatch):
+    warned = []
+    monkeypatch.setattr(script.logger, "warning", warned.append)
+    monkeypatch.setenv("LM_CPU_BF16", native)
+    script.warn_if_bf16_is_slow("OneDeviceStrategy")
+    script.warn_if_bf16_is_slow("TPUStrategy")  # a TPU computes bf16 itself
+    assert len(warned) == (native == "0") and all(w.startswith("--bfloat16: this CPU") for w in warned)
