@@ -79,7 +79,7 @@ MLM_PROBABILITY = 0.15
 
 
 def fail(message):
-    sys.exit(f"run_benchmark.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):

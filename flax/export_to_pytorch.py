@@ -29,7 +29,7 @@ from transformers.modeling_flax_pytorch_utils import load_flax_checkpoint_in_pyt
 
 
 def fail(message):
-    sys.exit(f"export_to_pytorch.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def check_writable(flag, path):

@@ -8,9 +8,10 @@ times how fast calls are dispatched, not computed. Here every timed call blocks 
 ready, the warm-up (which includes compilation) is excluded, and the median call time is reported with
 examples/s and tokens/s. With --precision bfloat16 the weights and activations are bfloat16 and every
 dense layer is computed by bf16_dense: a bf16 x bf16 product with an f32 result, which XLA:CPU runs
-with a bf16 kernel about twice as fast as f32 on CPUs with AVX-512 BF16. Upstream's way (the model's
-`dtype` alone) gets a bf16 x bf16 -> bf16 product, which XLA:CPU computes by converting to f32: slower
-than float32 itself. Offline it builds bert-base-uncased from its published config (random weights:
+with a bf16 kernel, faster than f32, on CPUs with bf16 instructions (AMX-BF16, AVX-512 BF16). Upstream's way
+(the model's `dtype` alone) gets a bf16 x bf16 -> bf16 product, which XLA:CPU computes by converting to f32:
+slower than float32 itself. On a CPU without bf16 instructions (AVX2 only) bfloat16 is slower than float32
+either way, and the script warns. Offline it builds bert-base-uncased from its published config (random weights:
 fine for timing); --config_name takes a local folder or, online, a hub name.
 
 Example:
@@ -58,7 +59,7 @@ class BenchmarkArguments:
 
 
 def fail(message):
-    sys.exit(f"run_bert_flax.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):

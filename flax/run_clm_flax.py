@@ -171,7 +171,7 @@ class DataTrainingArguments:
 
 def fail(message):
     """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
-    sys.exit(f"run_clm_flax.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def hub_reachable(timeout=5.0):
@@ -622,12 +622,13 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
-# XLA:CPU computes a bf16 x bf16 -> bf16 product by converting it to f32 (slower than f32 itself), but
-# a bf16 x bf16 product with an f32 result takes a bf16 kernel 2-4x as fast as f32 on CPUs with BF16 units
-# (4096^2, GFLOP/s: 635-661 vs 311-357 on AVX-512 BF16, 1,121 vs 300 with AMX). Upstream's --dtype bfloat16 (the model's dtype)
+# XLA:CPU computes a bf16 x bf16 -> bf16 product by converting it to f32 (slower than f32 itself), but a
+# bf16 x bf16 product with an f32 result runs on a bf16 kernel, several times as fast as f32, on CPUs with bf16
+# instructions (AMX-BF16, AVX-512 BF16; see benchmarks/README.md). Upstream's --dtype bfloat16 (the model's dtype)
 # gets the slow kind. Here --dtype bfloat16 keeps the model in f32 (parameters, optimizer state,
 # activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
-# bf16-rounded operands into f32 accumulators.
+# bf16-rounded operands into f32 accumulators. A CPU without bf16 instructions (AVX2 only) computes even
+# those in f32, so there bf16 only adds conversions: the script warns, and float32 is the faster choice.
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in

@@ -112,7 +112,7 @@ class DataTrainingArguments:
 
 def fail(message):
     """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
-    sys.exit(f"run_mlm.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def hub_reachable(timeout=5.0):
@@ -412,13 +412,16 @@ class MaskEpochCallback(TrainerCallback):
 
 
 class MaskedLMTrainer(Trainer):
-    """Evaluates with the collator's evaluation masks and reports the token-weighted eval loss."""
+    """Evaluates with the collator's evaluation masks and reports the token-weighted eval loss. It needs each token's
+    prediction and loss (two numbers a token, see preprocess_logits_for_metrics), so it gathers them even under
+    --prediction_loss_only: eval_loss means the same with and without that flag."""
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
         collator = self.data_collator
         collator.evaluating = True
+        per_token = False if self.compute_metrics is not None else prediction_loss_only
         try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            output = super().evaluation_loop(dataloader, description, per_token, ignore_keys, metric_key_prefix)
         finally:
             collator.evaluating = False
         prefix = metric_key_prefix
@@ -720,6 +723,7 @@ def main(argv=None):
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
         metrics = trainer.evaluate()
+        metrics["perplexity"] = metrics["eval_perplexity"]  # upstream's key, which its example tests read
         if not data_args.streaming:
             metrics["eval_samples"] = len(eval_dataset)
         trainer.log_metrics("eval", metrics)

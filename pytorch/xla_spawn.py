@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def fail(message):
-    sys.exit(f"xla_spawn.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def parse_args():

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 def fail(message):
-    sys.exit(f"prepare_tfrecord_shards.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def parse_args(argv=None):

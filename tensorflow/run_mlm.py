@@ -69,7 +69,7 @@ OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta", "camembert")
 
 
 def fail(message):
-    sys.exit(f"run_mlm.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def parse_args(argv=None):

@@ -31,7 +31,7 @@ SPECIAL_TOKENS = ["[CLS]", "<pad>", "[SEP]", "<unk>", "[MASK]"]
 
 
 def fail(message):
-    sys.exit(f"train_unigram.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def parse_args(argv=None):

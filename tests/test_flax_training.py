@@ -221,3 +221,17 @@ def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch)
     assert calls == [0]
     step(np.ones(13, np.float32)).block_until_ready()  # compiled already: no trim
     assert calls == [0]
+
+
+def test_a_copied_script_names_itself(request, corpus, tmp_path):
+    """A researcher's copy refuses bad input under its own name, and neither that nor a short training run's output
+    names the file it was copied from (fail() is the same text in the four scripts: test_layout.py)."""
+    copy = tmp_path / "run_wwm_flax.py"
+    shutil.copy(os.path.join(ROOT, MLM), copy)
+    line = error_line(run([str(copy), "--output_dir", str(tmp_path / "refused"), "--no_such_flag"]), "run_wwm_flax.py")
+    assert "unknown argument --no_such_flag" in line
+    args = flax_args(MLM, request, corpus, tmp_path / "out", "--do_train", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                     "--logging_steps", "1")
+    result = check_ok(run([str(copy), *args[1:]]))
+    written = "".join(p.read_text(errors="ignore") for p in (tmp_path / "out").rglob("*") if p.is_file() and p.suffix in (".json", ".txt"))
+    assert "run_mlm_flax" not in result.stdout + result.stderr + written

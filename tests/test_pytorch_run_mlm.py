@@ -6,6 +6,7 @@ import math
 import os
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -54,6 +55,20 @@ def test_trains_and_loss_falls(trained):
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_masked_tokens"] > 0.1 * metrics["eval_samples"] * 60
     assert metrics["eval_loss"] < 6.5 and metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("extra", [[], ["--prediction_loss_only"]])
+def test_upstream_result_keys_read_as_upstream_tests_do(trained, tiny_model_dir, corpus, tmp_path, monkeypatch, extra):
+    """Upstream's example tests import the script, patch sys.argv, call main() and read all_results.json["perplexity"].
+    The trained model evaluated again: upstream's key, ours beside it, and the same token-weighted eval_loss as at
+    the end of training, with --prediction_loss_only (upstream's tests pass it) or without."""
+    out, _, _ = trained
+    module = load_script(SCRIPT, "pytorch_run_mlm_main")
+    monkeypatch.setattr(sys, "argv", mlm_args(tiny_model_dir, corpus, tmp_path / "eval", "--do_eval", "--model_name_or_path", str(out), *extra))
+    module.main()
+    metrics = json.loads((tmp_path / "eval" / "all_results.json").read_text())
+    assert metrics["perplexity"] == metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert metrics["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-5) and "eval_accuracy" in metrics
 
 
 def test_resume_continues_exactly(trained, tmp_path):

@@ -60,7 +60,7 @@ REFERENCE = {
 
 
 def fail(message):
-    sys.exit(f"create_config.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def token_ids_from_tokenizer(model_type, path):

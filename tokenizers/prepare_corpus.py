@@ -33,7 +33,7 @@ HANDBOOK_HTML = "./usr/share/doc/debian-handbook/html/"
 
 
 def fail(message):
-    sys.exit(f"prepare_corpus.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def write_lines(path, lines):

@@ -34,7 +34,7 @@ SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
 def fail(message):
-    sys.exit(f"train_tokenizer.py: error: {message}")
+    sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
 def check_writable(flag, path):
