@@ -2,7 +2,8 @@
 # The project's entry point. Needs only Python 3.11 with venv and pip; everything else it installs.
 #   bash run.sh main    set up, then: PTB corpus -> tokenizer -> small RoBERTa config -> Flax MLM pretraining
 #                       (about 5 minutes on 2 CPU cores) -> eval loss, masked-token accuracy, perplexity
-#   bash run.sh test    set up both environments, then run the test suite (extra arguments go to pytest)
+#   bash run.sh test    set up both environments, then run the test suite on every core (extra arguments go to
+#                       pytest; -n 0 runs it in one process)
 #   bash run.sh setup   only create/refresh the main virtual environment (.venv, or $VENV)
 #   bash run.sh setup-xla  only create/refresh the PyTorch/XLA environment (.venv-xla, or $VENV_XLA):
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
@@ -49,6 +50,7 @@ case "${1:-}" in
   setup) setup ;;
   setup-xla) setup_xla ;;
   main) setup; main_job ;;
-  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests "$@" ;;
+  # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once).
+  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile "$@" ;;
   *) echo "usage: bash run.sh {main|test|setup|setup-xla}" >&2; exit 2 ;;
 esac

@@ -56,9 +56,33 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
     # hidden, layers, heads, intermediate, vocab, sequence length, global batch
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512, vocab_size=8192, seq_len=64, batch_size=64),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024, vocab_size=8192, seq_len=128, batch_size=16),
-    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=50265, seq_len=128, batch_size=8),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=512,
+        vocab_size=8192,
+        seq_len=64,
+        batch_size=64,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        vocab_size=8192,
+        seq_len=128,
+        batch_size=16,
+    ),
+    "base": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        vocab_size=50265,
+        seq_len=128,
+        batch_size=8,
+    ),
 }
 # name: (framework, precision, what)
 MODES = {
@@ -94,8 +118,17 @@ def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
-               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    support = (
+        "AMX-BF16"
+        if "amx_bf16" in flags
+        else "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "unknown"
+        if not flags
+        else f"none, {widest} only"
+        if widest
+        else "none"
+    )
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
@@ -112,11 +145,17 @@ def slow_bf16(modes, precisions, named):
     if not support.startswith("none") or not bf16:
         return {}
     if named:
-        print(f"warning: {', '.join(bf16)}: this CPU ({model}, bf16: {support}) has no bf16 instructions; they run as "
-              "asked, no faster than fp32 (PyTorch's many times slower)", file=sys.stderr)
+        print(
+            f"warning: {', '.join(bf16)}: this CPU ({model}, bf16: {support}) has no bf16 instructions; they run as "
+            "asked, no faster than fp32 (PyTorch's many times slower)",
+            file=sys.stderr,
+        )
         return {}
-    return {m: f"this CPU has no bf16 instructions (bf16: {support}), so bf16 is no faster than fp32 here; name it in "
-               "--modes to run it anyway" for m in bf16}
+    return {
+        m: f"this CPU has no bf16 instructions (bf16: {support}), so bf16 is no faster than fp32 here; name it in "
+        "--modes to run it anyway"
+        for m in bf16
+    }
 
 
 def model_flops_per_step(config, batch_size, seq_len):
@@ -124,7 +163,12 @@ def model_flops_per_step(config, batch_size, seq_len):
     multiply-adds as 2 FLOPs, matrix products only (embeddings, softmax, norms left out). Per token and
     layer: Q, K, V and output projections 8h^2, feed-forward 4hf, attention scores and values 4sh; the
     LM head (dense h x h and decoder h x V) runs on every position, as in transformers."""
-    h, f, n_layers, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
+    h, f, n_layers, v = (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_hidden_layers"],
+        config["vocab_size"],
+    )
     per_token = n_layers * (8 * h * h + 4 * h * f + 4 * seq_len * h) + 2 * h * h + 2 * h * v
     return 3 * batch_size * seq_len * per_token
 
@@ -145,12 +189,15 @@ def peak_rss_mb():
 
 # --- workers: each runs in its own process and prints one JSON line ----------------------------------
 
+
 def learning_rates(total_steps):
     """Linear warm-up over 10% of the steps from 0, then linear decay to 0 (the Trainer's, optax's and
     create_optimizer's schedules all give these values at steps 0, 1, ...)."""
     warmup = max(1, total_steps // 10)
-    return warmup, [LEARNING_RATE * (s / warmup if s < warmup else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
-                    for s in range(total_steps)]
+    return warmup, [
+        LEARNING_RATE * (s / warmup if s < warmup else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
+        for s in range(total_steps)
+    ]
 
 
 def data_digest(batches):
@@ -195,9 +242,8 @@ def worker_flax(spec, batches):
     def train_step(state, batch, axis=None):
         def loss_fn(params):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "masked_positions")}
-            logits = mlm.masked_lm_logits(state.apply_fn, inputs, params, model.config.vocab_size, bf16, train=False)
-            loss, _, count = mlm.mlm_sums(logits, batch["labels"])
-            return loss, count
+            logits = mlm.masked_lm_logits(model, params, inputs, bf16)
+            return mlm.token_sums(logits, batch["labels"], batch["labels"] != -100)["loss"]
 
         grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=mlm.save_all_but_transcendentals), has_aux=True)
         (loss, count), grad = grad_fn(state.params)
@@ -217,6 +263,7 @@ def worker_flax(spec, batches):
             batch = mlm.gather_masked(batch, MLM_PROBABILITY)
             state, loss = step(state, {k: v.reshape((n, -1) + v.shape[1:]) for k, v in batch.items()})
             return float(loss[0])
+
         extra = {"devices": n}
     else:
         step = jax.jit(train_step, donate_argnums=(0,))
@@ -227,10 +274,16 @@ def worker_flax(spec, batches):
             nonlocal state
             state, loss = step(state, mlm.gather_masked(batch, MLM_PROBABILITY))
             return float(loss)
+
         extra = {"devices": 1}
     times, losses = timed_loop(run, batches)
-    return dict(times=times, losses=losses, num_params=num_params,
-                versions={"jax": jax.__version__, "flax": __import__("flax").__version__}, **extra)
+    return dict(
+        times=times,
+        losses=losses,
+        num_params=num_params,
+        versions={"jax": jax.__version__, "flax": __import__("flax").__version__},
+        **extra,
+    )
 
 
 def worker_torch(spec, batches):
@@ -249,9 +302,19 @@ def worker_torch(spec, batches):
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
     # The optimizer and schedule exactly as the Trainer (pytorch/run_mlm.py) builds them.
-    args = TrainingArguments(output_dir=spec["work_dir"], learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
-                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS, warmup_steps=warmup,
-                             lr_scheduler_type="linear", optim="adamw_torch", report_to="none", use_cpu=not xla)
+    args = TrainingArguments(
+        output_dir=spec["work_dir"],
+        learning_rate=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        warmup_steps=warmup,
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+        report_to="none",
+        use_cpu=not xla,
+    )
     trainer = Trainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(num_training_steps=total)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
@@ -262,7 +325,9 @@ def worker_torch(spec, batches):
         batch = {k: torch.from_numpy(v).long().to(device) for k, v in batch.items()}
         with autocast:
             logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100
+        )
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -272,15 +337,25 @@ def worker_torch(spec, batches):
         return float(loss.item())
 
     times, losses = timed_loop(run, batches)
-    versions = {"torch (.venv-xla)": torch.__version__, "torch_xla": torch_xla.__version__} if xla else {"torch": torch.__version__}
-    return dict(times=times, losses=losses, num_params=int(sum(p.numel() for p in model.parameters())), versions=versions,
-                threads=torch.get_num_threads())
+    versions = (
+        {"torch (.venv-xla)": torch.__version__, "torch_xla": torch_xla.__version__}
+        if xla
+        else {"torch": torch.__version__}
+    )
+    return dict(
+        times=times,
+        losses=losses,
+        num_params=int(sum(p.numel() for p in model.parameters())),
+        versions=versions,
+        threads=torch.get_num_threads(),
+    )
 
 
 def worker_tf(spec, batches):
-    import tensorflow as tf
     from transformers import TFAutoModelForMaskedLM, create_optimizer
     from transformers.modeling_tf_utils import keras
+
+    import tensorflow as tf
 
     if spec["precision"] == "bf16":
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -288,16 +363,27 @@ def worker_tf(spec, batches):
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
     # As tensorflow/run_mlm.py: AdamWeightDecay, warm-up then linear decay, no decay on LayerNorm/bias.
-    optimizer, _ = create_optimizer(init_lr=LEARNING_RATE, num_train_steps=total, num_warmup_steps=warmup,
-                                    weight_decay_rate=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS)
+    optimizer, _ = create_optimizer(
+        init_lr=LEARNING_RATE,
+        num_train_steps=total,
+        num_warmup_steps=warmup,
+        weight_decay_rate=WEIGHT_DECAY,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+    )
 
     @tf.function(jit_compile=spec["mode"] == "tf_xla")
     def train_step(input_ids, attention_mask, labels):
         with tf.GradientTape() as tape:
-            logits = tf.cast(model(input_ids=input_ids, attention_mask=attention_mask, training=True).logits, tf.float32)
+            logits = tf.cast(
+                model(input_ids=input_ids, attention_mask=attention_mask, training=True).logits, tf.float32
+            )
             mask = labels != -100
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.where(mask, labels, 0), logits)
-            loss = tf.reduce_sum(tf.where(mask, losses, 0.0)) / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32)), 1.0)
+            loss = tf.reduce_sum(tf.where(mask, losses, 0.0)) / tf.maximum(
+                tf.reduce_sum(tf.cast(mask, tf.float32)), 1.0
+            )
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -306,7 +392,9 @@ def worker_tf(spec, batches):
         return float(train_step(*(tf.constant(batch[k]) for k in ("input_ids", "attention_mask", "labels"))).numpy())
 
     times, losses = timed_loop(run, batches)
-    return dict(times=times, losses=losses, num_params=int(model.count_params()), versions={"tensorflow": tf.__version__})
+    return dict(
+        times=times, losses=losses, num_params=int(model.count_params()), versions={"tensorflow": tf.__version__}
+    )
 
 
 def matmul_worker(spec):
@@ -358,8 +446,12 @@ def init_worker(spec):
     torch.manual_seed(0)
     pt_dir = os.path.join(spec["init_dir"], "pytorch")
     AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(spec["config_dir"])).save_pretrained(pt_dir)
-    FlaxAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(os.path.join(spec["init_dir"], "flax"))
-    TFAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(os.path.join(spec["init_dir"], "tensorflow"))
+    FlaxAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(
+        os.path.join(spec["init_dir"], "flax")
+    )
+    TFAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(
+        os.path.join(spec["init_dir"], "tensorflow")
+    )
     return {}
 
 
@@ -374,7 +466,9 @@ def worker_main(spec_path):
         with np.load(spec["batches"]) as data:
             batches = {k: data[k] for k in data.files}
         start = time.perf_counter()
-        worker = {"flax": worker_flax, "pytorch": worker_torch, "pytorch/xla": worker_torch, "tensorflow": worker_tf}[MODES[spec["mode"]][0]]
+        worker = {"flax": worker_flax, "pytorch": worker_torch, "pytorch/xla": worker_torch, "tensorflow": worker_tf}[
+            MODES[spec["mode"]][0]
+        ]
         result = worker(spec, batches)
         result["wall_s"] = time.perf_counter() - start
         result["data_sha256"] = data_digest(batches)
@@ -386,6 +480,7 @@ def worker_main(spec_path):
 
 # --- the harness ------------------------------------------------------------------------------------
 
+
 def run_worker(spec, work_dir, python=sys.executable, env=None, timeout=3600):
     """Run one worker process; return its result dict, or {"error": last line of its output}."""
     path = Path(work_dir) / f"spec-{spec.get('mode', spec['kind'])}-{spec.get('framework', '')}.json"
@@ -393,18 +488,26 @@ def run_worker(spec, work_dir, python=sys.executable, env=None, timeout=3600):
     full_env = {k: v for k, v in os.environ.items() if k not in ("USE_TF", "USE_TORCH", "USE_FLAX")}
     framework = MODES[spec["mode"]][0] if "mode" in spec else None
     # Keep transformers from importing the other frameworks (time, and memory in the peak RSS).
-    hidden = {"flax": ("USE_TF", "USE_TORCH"), "tensorflow": ("USE_TORCH", "USE_FLAX")}.get(framework, ("USE_TF", "USE_FLAX"))
+    hidden = {"flax": ("USE_TF", "USE_TORCH"), "tensorflow": ("USE_TORCH", "USE_FLAX")}.get(
+        framework, ("USE_TF", "USE_FLAX")
+    )
     if spec["kind"] != "init":
         full_env.update({name: "0" for name in hidden})
     full_env.update({"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
     try:
-        proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(path)], cwd=ROOT, env=full_env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [python, str(Path(__file__).resolve()), "--worker", str(path)],
+            cwd=ROOT,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("BENCHMARK_RESULT "):
-            return json.loads(line[len("BENCHMARK_RESULT "):])
+            return json.loads(line[len("BENCHMARK_RESULT ") :])
     lines = [line for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip()]
     return {"error": lines[-1][:300] if lines else f"exit {proc.returncode}", "log_tail": "\n".join(lines[-30:])}
 
@@ -422,13 +525,41 @@ def prepare_files(work, args, size):
     if not (corpus / "train.txt").is_file():
         run_tool(["tokenizers/prepare_corpus.py", "--corpus", "ptb", "--output_dir", str(corpus)], "prepare_corpus.py")
     if not (tok / "tokenizer.json").is_file():
-        run_tool(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "8192",
-                  "--min_frequency", "2", "--output_dir", str(tok), "--overwrite_output_dir"], "train_tokenizer.py")
+        run_tool(
+            [
+                "tokenizers/train_tokenizer.py",
+                "--train_file",
+                str(corpus / "train.txt"),
+                "--vocab_size",
+                "8192",
+                "--min_frequency",
+                "2",
+                "--output_dir",
+                str(tok),
+                "--overwrite_output_dir",
+            ],
+            "train_tokenizer.py",
+        )
     config_dir = work / f"config-{args.size}"
-    overrides = ",".join(f"{k}={size[k]}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"))
-    run_tool(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(tok), "--output_dir", str(config_dir),
-              "--overwrite_output_dir", "--config_overrides", overrides + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0"],
-             "create_config.py")
+    overrides = ",".join(
+        f"{k}={size[k]}"
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    )
+    run_tool(
+        [
+            "tokenizers/create_config.py",
+            "--model_type",
+            "roberta",
+            "--tokenizer_name",
+            str(tok),
+            "--output_dir",
+            str(config_dir),
+            "--overwrite_output_dir",
+            "--config_overrides",
+            overrides + ",hidden_dropout_prob=0.0,attention_probs_dropout_prob=0.0",
+        ],
+        "create_config.py",
+    )
     return corpus, tok, config_dir
 
 
@@ -447,38 +578,50 @@ def prepare_data(work, args, size, bar):
     lines = [line for line in (corpus / "train.txt").read_text().splitlines() if line.strip()][: args.preprocess_lines]
     dataset = Dataset.from_dict({"text": lines})
     start = time.perf_counter()
-    tokenized = dataset.map(lambda b: tokenizer(b["text"], return_special_tokens_mask=True), batched=True, remove_columns=["text"])
+    tokenized = dataset.map(
+        lambda b: tokenizer(b["text"], return_special_tokens_mask=True), batched=True, remove_columns=["text"]
+    )
     tokenize_s = time.perf_counter() - start
     num_tokens = sum(len(x) for x in tokenized["input_ids"])
 
-    def group_with_sum(examples, max_seq_length):
+    def group_with_sum(examples, block_size):
         concatenated = {k: sum(examples[k], []) for k in examples.keys()}
-        total = (len(concatenated["input_ids"]) // max_seq_length) * max_seq_length
-        return {k: [t[i : i + max_seq_length] for i in range(0, total, max_seq_length)] for k, t in concatenated.items()}
+        total = (len(concatenated["input_ids"]) // block_size) * block_size
+        return {k: [t[i : i + block_size] for i in range(0, total, block_size)] for k, t in concatenated.items()}
 
     group_s = {}
     for name, fn in (("group_texts (linear)", mlm.group_texts), ("sum(lists, []) (upstream)", group_with_sum)):
         start = time.perf_counter()
-        grouped = tokenized.map(fn, fn_kwargs={"max_seq_length": size["seq_len"]}, batched=True, batch_size=1000)
+        grouped = tokenized.map(fn, fn_kwargs={"block_size": size["seq_len"]}, batched=True, batch_size=1000)
         group_s[name] = time.perf_counter() - start
-    preprocessing = {"lines": len(lines), "tokens": num_tokens, "tokenize_s": tokenize_s,
-                     "tokenize_tokens_per_s": num_tokens / tokenize_s,
-                     "group": {name: {"seconds": s, "tokens_per_s": num_tokens / s} for name, s in group_s.items()}}
+    preprocessing = {
+        "lines": len(lines),
+        "tokens": num_tokens,
+        "tokenize_s": tokenize_s,
+        "tokenize_tokens_per_s": num_tokens / tokenize_s,
+        "group": {name: {"seconds": s, "tokens_per_s": num_tokens / s} for name, s in group_s.items()},
+    }
     bar.update(1)
 
     # The batches every mode trains on: a seeded permutation of the blocks, masked by the Flax script's collator.
     steps, batch_size = args.steps, size["batch_size"]
     if len(grouped) < steps * batch_size:
-        fail(f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch ({steps * batch_size}); "
-             "raise --preprocess_lines or lower --steps")
+        fail(
+            f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch ({steps * batch_size}); "
+            "raise --preprocess_lines or lower --steps"
+        )
     order = np.random.default_rng(args.seed).permutation(len(grouped))[: steps * batch_size]
     collator = mlm.FlaxDataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=MLM_PROBABILITY)
     columns = {k: [] for k in ("input_ids", "attention_mask", "labels")}
     for step in range(steps):
         row_ids = order[step * batch_size : (step + 1) * batch_size]
         rows = grouped.select(row_ids)
-        batch = collator({k: rows[k] for k in ("input_ids", "attention_mask", "special_tokens_mask")}, (args.seed,), row_ids,
-                         row_width=size["seq_len"])
+        batch = collator(
+            {k: rows[k] for k in ("input_ids", "attention_mask", "special_tokens_mask")},
+            (args.seed,),
+            row_ids,
+            row_width=size["seq_len"],
+        )
         for k in columns:
             columns[k].append(batch[k].astype(np.int32))
     batches_path = work / f"batches-{args.size}.npz"
@@ -488,14 +631,23 @@ def prepare_data(work, args, size, bar):
 
 def machine_info():
     cpu, bf16 = cpu_bf16()
-    return {"cpu": cpu, "bf16": bf16, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "bf16": bf16,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def summarize(name, results, flops, peaks, warmup_steps, size):
     """One mode's row from its repeats: the median over repeats of each repeat's median step, with the range."""
     framework, precision, what = MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision, "what": what}
-    peak, bf16_peak = peaks.get(precision, peaks["fp32"]), peaks.get("bf16", peaks["fp32"])  # no bf16 peak: bf16 runs in f32
+    peak, bf16_peak = (
+        peaks.get(precision, peaks["fp32"]),
+        peaks.get("bf16", peaks["fp32"]),
+    )  # no bf16 peak: bf16 runs in f32
     failed = next((r for r in results if "error" in r or "skipped" in r), None)
     if failed is not None:
         return {**row, **failed}
@@ -503,11 +655,20 @@ def summarize(name, results, flops, peaks, warmup_steps, size):
     step_s = float(np.median(by_repeat)) / 1000
     achieved = flops / step_s / 1e9
     row.update({k: v for k, v in results[0].items() if k != "times"})
-    row.update(repeats=len(results), step_ms_by_repeat=by_repeat, times_by_repeat=[r["times"] for r in results],
-               first_step_s=float(np.median([r["times"][0] for r in results])), step_ms=1000 * step_s,
-               step_ms_range=[min(by_repeat), max(by_repeat)], peak_rss_mb=max(r["peak_rss_mb"] for r in results),
-               tokens_per_s=size["batch_size"] * size["seq_len"] / step_s, gflops=achieved,
-               mfu=achieved / peak, mfu_vs_bf16_peak=achieved / bf16_peak, final_loss=results[0]["losses"][-1])
+    row.update(
+        repeats=len(results),
+        step_ms_by_repeat=by_repeat,
+        times_by_repeat=[r["times"] for r in results],
+        first_step_s=float(np.median([r["times"][0] for r in results])),
+        step_ms=1000 * step_s,
+        step_ms_range=[min(by_repeat), max(by_repeat)],
+        peak_rss_mb=max(r["peak_rss_mb"] for r in results),
+        tokens_per_s=size["batch_size"] * size["seq_len"] / step_s,
+        gflops=achieved,
+        mfu=achieved / peak,
+        mfu_vs_bf16_peak=achieved / bf16_peak,
+        final_loss=results[0]["losses"][-1],
+    )
     return row
 
 
@@ -531,15 +692,19 @@ def write_outputs(out, report):
         f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
         "",
         f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}; "
-        + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items())) + ".",
+        + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items()))
+        + ".",
         f"Command: `{report['command']}`."
         + (f" Flax modes ran with XLA_FLAGS=`{report['xla_flags']}`." if report["xla_flags"] else "")
         + f" {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
         f"median of the other {w['steps'] - w['warmup_steps']}. Model FLOPs per step: {w['flops_per_step'] / 1e9:.1f} GFLOP. "
         f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
         f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 "
-        + (f"{report['matmul']['peak']['bf16']:.0f} GFLOP/s." if "bf16" in report["matmul"]["peak"]
-           else "not measured (no bf16 instructions: bf16 modes are measured against the fp32 peak)."),
+        + (
+            f"{report['matmul']['peak']['bf16']:.0f} GFLOP/s."
+            if "bf16" in report["matmul"]["peak"]
+            else "not measured (no bf16 instructions: bf16 modes are measured against the fp32 peak)."
+        ),
         "",
         f"Every mode ran {w['repeats']} times, interleaved (A B C A B C ...); step (ms) is the median over the repeats, with their range.",
         "",
@@ -548,43 +713,86 @@ def write_outputs(out, report):
     ]
     for r in rows:
         if "step_ms" in r:
-            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | "
-                         f"{r['step_ms']:,.1f} ({r['step_ms_range'][0]:,.1f}-{r['step_ms_range'][1]:,.1f}) | "
-                         f"{r['tokens_per_s']:,.0f} | {r['gflops']:.1f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_vs_bf16_peak']:.1f} % | "
-                         f"{r['peak_rss_mb']:,.0f} | {r['final_loss']:.4f} |")
+            lines.append(
+                f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | "
+                f"{r['step_ms']:,.1f} ({r['step_ms_range'][0]:,.1f}-{r['step_ms_range'][1]:,.1f}) | "
+                f"{r['tokens_per_s']:,.0f} | {r['gflops']:.1f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_vs_bf16_peak']:.1f} % | "
+                f"{r['peak_rss_mb']:,.0f} | {r['final_loss']:.4f} |"
+            )
         else:
-            lines.append(f"| {r['mode']} | {r['precision']} | {r['what']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |" + " |" * 7)
+            lines.append(
+                f"| {r['mode']} | {r['precision']} | {r['what']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |"
+                + " |" * 7
+            )
     lines += ["", "## Goals", ""]
     for goal in report["goals"]:
         lines.append(f"- {goal}")
     lines += ["", "## Matrix multiply (GFLOP/s)", "", "| framework | fp32 | bf16 |", "| --- | ---: | ---: |"]
     for fw, v in report["matmul"]["frameworks"].items():
-        lines.append(f"| {fw} | {v['fp32']:.0f} | {v['bf16']:.0f} |" if "bf16" in v else f"| {fw} | {v['fp32']:.0f} | not measured |"
-                     if "fp32" in v else f"| {fw} | failed: {v.get('error')} | |")
+        lines.append(
+            f"| {fw} | {v['fp32']:.0f} | {v['bf16']:.0f} |"
+            if "bf16" in v
+            else f"| {fw} | {v['fp32']:.0f} | not measured |"
+            if "fp32" in v
+            else f"| {fw} | failed: {v.get('error')} | |"
+        )
     p = report["preprocessing"]
-    lines += ["", f"## Preprocessing ({p['lines']:,} PTB lines, {p['tokens']:,} tokens)", "", "| stage | seconds | tokens/s |",
-              "| --- | ---: | ---: |", f"| tokenize | {p['tokenize_s']:.2f} | {p['tokenize_tokens_per_s']:,.0f} |"]
+    lines += [
+        "",
+        f"## Preprocessing ({p['lines']:,} PTB lines, {p['tokens']:,} tokens)",
+        "",
+        "| stage | seconds | tokens/s |",
+        "| --- | ---: | ---: |",
+        f"| tokenize | {p['tokenize_s']:.2f} | {p['tokenize_tokens_per_s']:,.0f} |",
+    ]
     for name, g in p["group"].items():
         lines.append(f"| group: {name} | {g['seconds']:.2f} | {g['tokens_per_s']:,.0f} |")
     inference = report.get("inference") or {}
     if inference:
-        lines += ["", f"## Inference: flax/run_bert_flax.py ({inference.get('setup', '')})", "", "| precision | median call (s) | examples/s |",
-                  "| --- | ---: | ---: |"]
+        lines += [
+            "",
+            f"## Inference: flax/run_bert_flax.py ({inference.get('setup', '')})",
+            "",
+            "| precision | median call (s) | examples/s |",
+            "| --- | ---: | ---: |",
+        ]
         for precision in ("float32", "bfloat16"):
             r = inference.get(precision, {})
-            lines.append(f"| {precision} | {r['median_s']:.3f} | {r['examples_per_second']:.1f} |" if "median_s" in r
-                         else f"| {precision} | skipped: {r['skipped']} | |" if "skipped" in r else f"| {precision} | failed: {r.get('error')} | |")
+            lines.append(
+                f"| {precision} | {r['median_s']:.3f} | {r['examples_per_second']:.1f} |"
+                if "median_s" in r
+                else f"| {precision} | skipped: {r['skipped']} | |"
+                if "skipped" in r
+                else f"| {precision} | failed: {r.get('error')} | |"
+            )
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["mode"] for r in ok]
-    colors = ["tab:blue" if r["framework"] == "flax" else "tab:orange" if r["framework"].startswith("pytorch") else "tab:green" for r in ok]
+    colors = [
+        "tab:blue"
+        if r["framework"] == "flax"
+        else "tab:orange"
+        if r["framework"].startswith("pytorch")
+        else "tab:green"
+        for r in ok
+    ]
     tokens = w["batch_size"] * w["seq_len"] * 1000
-    spread = np.array([[r["tokens_per_s"] - tokens / r["step_ms_range"][1], tokens / r["step_ms_range"][0] - r["tokens_per_s"]] for r in ok]).T
+    spread = np.array(
+        [
+            [r["tokens_per_s"] - tokens / r["step_ms_range"][1], tokens / r["step_ms_range"][0] - r["tokens_per_s"]]
+            for r in ok
+        ]
+    ).T
     axes[0].bar(names, [r["tokens_per_s"] for r in ok], yerr=spread, capsize=3, color=colors)
     axes[0].set_ylabel(f"training tokens/s (median, min-max of {w['repeats']})")
-    axes[1].bar(names, [100 * r["mfu"] for r in ok], yerr=spread * np.array([[100 * r["mfu"] / r["tokens_per_s"] for r in ok]]),
-                capsize=3, color=colors)
+    axes[1].bar(
+        names,
+        [100 * r["mfu"] for r in ok],
+        yerr=spread * np.array([[100 * r["mfu"] / r["tokens_per_s"] for r in ok]]),
+        capsize=3,
+        color=colors,
+    )
     axes[1].set_ylabel("MFU, % of matmul peak (same precision)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)
@@ -598,28 +806,38 @@ def write_outputs(out, report):
 
 def goals(rows, peaks, machine):
     ok = {r["mode"]: r for r in rows if "step_ms" in r}
-    out = [f"These ratios hold for this CPU class ({machine['cpu']}, bf16: {machine['bf16']}) and the {len(ok)} modes that ran "
-           f"({', '.join(ok) or 'none'}); CPUs with other bf16 support give other ratios."]
+    out = [
+        f"These ratios hold for this CPU class ({machine['cpu']}, bf16: {machine['bf16']}) and the {len(ok)} modes that ran "
+        f"({', '.join(ok) or 'none'}); CPUs with other bf16 support give other ratios."
+    ]
     peak_name = "bf16" if "bf16" in peaks else "fp32"
     flax_best = min((r for r in ok.values() if r["framework"] == "flax"), key=lambda r: r["step_ms"], default=None)
     others = [r for r in ok.values() if r["framework"] != "flax"]
     if flax_best and others:
         fastest = min(others, key=lambda r: r["step_ms"])
-        out.append(f"Flax's fastest mode ({flax_best['mode']}, {flax_best['step_ms']:.1f} ms) vs the fastest other mode "
-                   f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {per_round(fastest, flax_best)} as fast, per round, median "
-                   "[min-max] (goal >= 1.0x); " + ", ".join(f"{r['mode']} {per_round(r, flax_best)}" for r in others))
-        out.append(f"Flax ({flax_best['mode']}) vs the {peak_name} matmul peak ({peaks[peak_name]:.0f} GFLOP/s): "
-                   f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= 60 %)")
+        out.append(
+            f"Flax's fastest mode ({flax_best['mode']}, {flax_best['step_ms']:.1f} ms) vs the fastest other mode "
+            f"({fastest['mode']}, {fastest['step_ms']:.1f} ms): {per_round(fastest, flax_best)} as fast, per round, median "
+            "[min-max] (goal >= 1.0x); " + ", ".join(f"{r['mode']} {per_round(r, flax_best)}" for r in others)
+        )
+        out.append(
+            f"Flax ({flax_best['mode']}) vs the {peak_name} matmul peak ({peaks[peak_name]:.0f} GFLOP/s): "
+            f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= 60 %)"
+        )
         torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
         if torch_modes:
             torch_fastest = min(torch_modes, key=lambda r: r["step_ms"])
-            out.append(f"Flax peak RSS vs PyTorch's fastest mode ({torch_fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / "
-                       f"{torch_fastest['peak_rss_mb']:,.0f} MB = {flax_best['peak_rss_mb'] / torch_fastest['peak_rss_mb']:.2f}x (goal <= 1.0x)")
+            out.append(
+                f"Flax peak RSS vs PyTorch's fastest mode ({torch_fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / "
+                f"{torch_fastest['peak_rss_mb']:,.0f} MB = {flax_best['peak_rss_mb'] / torch_fastest['peak_rss_mb']:.2f}x (goal <= 1.0x)"
+            )
     reference = ok.get("torch") or ok.get("flax")
     if reference:
         worst = max(ok.values(), key=lambda r: abs(r["final_loss"] - reference["final_loss"]))
-        out.append(f"Same work: loss after the last step differs from {reference['mode']}'s ({reference['final_loss']:.4f}) by at most "
-                   f"{abs(worst['final_loss'] - reference['final_loss']):.4f} ({worst['mode']})")
+        out.append(
+            f"Same work: loss after the last step differs from {reference['mode']}'s ({reference['final_loss']:.4f}) by at most "
+            f"{abs(worst['final_loss'] - reference['final_loss']):.4f} ({worst['mode']})"
+        )
     out.append("MFU: " + ", ".join(f"{r['mode']} {100 * r['mfu']:.1f} %" for r in ok.values()))
     return out
 
@@ -664,9 +882,16 @@ def eval_curve(output_dir, launched):
         accumulator.Reload()
         tags = accumulator.Tags()
         if "eval/loss" in tags["scalars"]:
-            points.update({e.step: (e.step, e.value, e.wall_time - launched) for e in accumulator.Scalars("eval/loss")})
+            points.update(
+                {e.step: (e.step, e.value, e.wall_time - launched) for e in accumulator.Scalars("eval/loss")}
+            )
         if "eval/loss" in tags["tensors"]:
-            points.update({e.step: (e.step, float(make_ndarray(e.tensor_proto)), e.wall_time - launched) for e in accumulator.Tensors("eval/loss")})
+            points.update(
+                {
+                    e.step: (e.step, float(make_ndarray(e.tensor_proto)), e.wall_time - launched)
+                    for e in accumulator.Tensors("eval/loss")
+                }
+            )
     return [points[step] for step in sorted(points)]
 
 
@@ -674,28 +899,71 @@ def e2e_commands(name, args, files, size, out):
     """The commands of one mode, as a user would type them after `python`: the script with the shared settings, after
     TensorFlow's TFRecord shards of the same text."""
     framework, _, script = E2E_MODES[name]
-    common = {"--learning_rate": files["learning_rate"], "--warmup_steps": args.steps // 10, "--max_steps": args.steps,
-              "--eval_steps": args.eval_steps, "--seed": args.seed, "--output_dir": out}
+    common = {
+        "--learning_rate": files["learning_rate"],
+        "--warmup_steps": args.steps // 10,
+        "--max_steps": args.steps,
+        "--eval_steps": args.eval_steps,
+        "--seed": args.seed,
+        "--output_dir": out,
+    }
     if framework == "tensorflow":
         shards = out.parent / f"{name}-shards"
-        prepare = [["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", files["tokenizer"], "--train_file", files[split],
-                    "--split", split, "--max_length", size["seq_len"], "--output_dir", shards, "--overwrite_output_dir"]
-                   for split in ("train", "validation")]
-        flags = {**common, "--model_name_or_path": files["init"] / "tensorflow", "--tokenizer": files["tokenizer"],
-                 "--train_dataset": shards / "train", "--eval_dataset": shards / "validation", "--max_length": size["seq_len"],
-                 "--per_replica_batch_size": size["batch_size"], "--weight_decay_rate": WEIGHT_DECAY}
+        prepare = [
+            [
+                "tensorflow/prepare_tfrecord_shards.py",
+                "--tokenizer_name_or_path",
+                files["tokenizer"],
+                "--train_file",
+                files[split],
+                "--split",
+                split,
+                "--max_length",
+                size["seq_len"],
+                "--output_dir",
+                shards,
+                "--overwrite_output_dir",
+            ]
+            for split in ("train", "validation")
+        ]
+        flags = {
+            **common,
+            "--model_name_or_path": files["init"] / "tensorflow",
+            "--tokenizer": files["tokenizer"],
+            "--train_dataset": shards / "train",
+            "--eval_dataset": shards / "validation",
+            "--max_length": size["seq_len"],
+            "--per_replica_batch_size": size["batch_size"],
+            "--weight_decay_rate": WEIGHT_DECAY,
+        }
         # The other scripts repeat a seeded run exactly by default; TF's input pipeline needs the flag.
-        commands = [*prepare, [*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--full_determinism"]]
+        commands = [
+            *prepare,
+            [*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--full_determinism"],
+        ]
     else:
-        flags = {**common, "--model_name_or_path": files["init"] / ("flax" if framework == "flax" else "pytorch"),
-                 "--tokenizer_name": files["tokenizer"], "--train_file": files["train"], "--validation_file": files["validation"],
-                 "--max_seq_length": size["seq_len"], "--per_device_train_batch_size": size["batch_size"],
-                 "--per_device_eval_batch_size": size["batch_size"], "--weight_decay": WEIGHT_DECAY, "--logging_steps": args.eval_steps,
-                 "--report_to": "tensorboard"}
+        flags = {
+            **common,
+            "--model_name_or_path": files["init"] / ("flax" if framework == "flax" else "pytorch"),
+            "--tokenizer_name": files["tokenizer"],
+            "--train_file": files["train"],
+            "--validation_file": files["validation"],
+            "--max_seq_length": size["seq_len"],
+            "--per_device_train_batch_size": size["batch_size"],
+            "--per_device_eval_batch_size": size["batch_size"],
+            "--weight_decay": WEIGHT_DECAY,
+            "--logging_steps": args.eval_steps,
+            "--report_to": "tensorboard",
+        }
         # The Trainer clips gradients at norm 1.0 by default; the Flax and TF scripts do not clip, so neither does it here.
-        flags.update({"--save_steps": 10 * args.steps} if framework == "flax" else
-                     {"--eval_strategy": "steps", "--save_strategy": "no", "--max_grad_norm": 0})
-        commands = [[*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--do_train", "--do_eval"]]
+        flags.update(
+            {"--save_steps": 10 * args.steps}
+            if framework == "flax"
+            else {"--eval_strategy": "steps", "--save_strategy": "no", "--max_grad_norm": 0}
+        )
+        commands = [
+            [*script, *(x for kv in flags.items() for x in kv), "--overwrite_output_dir", "--do_train", "--do_eval"]
+        ]
     return [[str(x) for x in argv] for argv in commands]
 
 
@@ -719,16 +987,29 @@ def end_to_end_mode(name, args, files, size, work):
         return {**row, "error": lines[-1][:300] if lines else f"exit {code}"}
     train = json.loads((out / "train_results.json").read_text())
     evaluation = json.loads((out / "eval_results.json").read_text())
-    return {**row, "command": " && ".join(" ".join(["python", *argv]) for argv in commands), "wall_s": wall, "peak_rss_mb": rss,
-            "train_s": train["train_runtime"], "tokens_per_s": args.steps * size["batch_size"] * size["seq_len"] / train["train_runtime"],
-            "eval_loss": evaluation["eval_loss"], "eval_accuracy": evaluation["eval_accuracy"], "curve": eval_curve(out, launched)}
+    return {
+        **row,
+        "command": " && ".join(" ".join(["python", *argv]) for argv in commands),
+        "wall_s": wall,
+        "peak_rss_mb": rss,
+        "train_s": train["train_runtime"],
+        "tokens_per_s": args.steps * size["batch_size"] * size["seq_len"] / train["train_runtime"],
+        "eval_loss": evaluation["eval_loss"],
+        "eval_accuracy": evaluation["eval_accuracy"],
+        "curve": eval_curve(out, launched),
+    }
 
 
 def end_to_end(args, work, size, config_dir, bar):
     """Every framework's real script, the same work: the report of --end_to_end."""
     corpus, tokenizer = work / "ptb", work / "tokenizer"
-    files = {"tokenizer": tokenizer, "init": work / f"init-{args.size}", "train": work / "e2e" / "train.txt",
-             "validation": work / "e2e" / "validation.txt", "learning_rate": 2e-3 if args.size == "tiny" else LEARNING_RATE}
+    files = {
+        "tokenizer": tokenizer,
+        "init": work / f"init-{args.size}",
+        "train": work / "e2e" / "train.txt",
+        "validation": work / "e2e" / "validation.txt",
+        "learning_rate": 2e-3 if args.size == "tiny" else LEARNING_RATE,
+    }
     files["train"].parent.mkdir(parents=True, exist_ok=True)
     for split, lines in (("train", args.preprocess_lines), ("validation", max(args.preprocess_lines // 10, 200))):
         text = (corpus / f"{split}.txt").read_text().splitlines(keepends=True)
@@ -754,12 +1035,22 @@ def end_to_end(args, work, size, config_dir, bar):
     from safetensors.numpy import load_file
 
     num_params = sum(a.size for a in load_file(files["init"] / "pytorch" / "model.safetensors").values())
-    return {"modes": rows, "target_loss": target, "parity_gap": max(gaps, default=None),
-            "learning_rate": files["learning_rate"], "num_params": num_params, "files": {k: str(v) for k, v in files.items()}}
+    return {
+        "modes": rows,
+        "target_loss": target,
+        "parity_gap": max(gaps, default=None),
+        "learning_rate": files["learning_rate"],
+        "num_params": num_params,
+        "files": {k: str(v) for k, v in files.items()},
+    }
 
 
 def minutes(seconds):
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
+    return (
+        f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+        if seconds >= 3600
+        else f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
+    )
 
 
 def write_end_to_end(out, report):
@@ -771,28 +1062,49 @@ def write_end_to_end(out, report):
     (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     e2e, w = report["end_to_end"], report["workload"]
     rows, ran = e2e["modes"], [r for r in e2e["modes"] if "eval_loss" in r]
-    cell = {r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else ("skipped" if "skipped" in r else "failed") for r in rows}
-    lines = [f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)", "",
-             f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}. "
-             f"Command: `{report['command']}`. "
-             f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
-             f"{w['steps'] // 10} warm-up steps with linear decay, no gradient clipping, the same initial weights, tokenizer, text and held-out blocks; "
-             f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:", "",
-             "| task | " + " | ".join(cell) + " |", "| --- |" + " ---: |" * len(cell), "| MLM | " + " | ".join(cell.values()) + " |", "",
-             "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) | peak RSS (MB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    cell = {
+        r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else ("skipped" if "skipped" in r else "failed") for r in rows
+    }
+    lines = [
+        f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)",
+        "",
+        f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}. "
+        f"Command: `{report['command']}`. "
+        f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
+        f"{w['steps'] // 10} warm-up steps with linear decay, no gradient clipping, the same initial weights, tokenizer, text and held-out blocks; "
+        f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:",
+        "",
+        "| task | " + " | ".join(cell) + " |",
+        "| --- |" + " ---: |" * len(cell),
+        "| MLM | " + " | ".join(cell.values()) + " |",
+        "",
+        "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) | peak RSS (MB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if "eval_loss" in r:
             reached = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "not reached"
-            lines.append(f"| {r['mode']} | {minutes(r['wall_s'])} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['eval_loss']:.4f} | "
-                         f"{100 * r['eval_accuracy']:.2f} % | {reached} | {r['peak_rss_mb']:,.0f} |")
+            lines.append(
+                f"| {r['mode']} | {minutes(r['wall_s'])} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['eval_loss']:.4f} | "
+                f"{100 * r['eval_accuracy']:.2f} % | {reached} | {r['peak_rss_mb']:,.0f} |"
+            )
         else:
-            lines.append(f"| {r['mode']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |" + " |" * 6)
-    lines += ["", f"Target eval loss: {e2e['target_loss']:.4f}" + (" (given)" if report["target_given"] else " (the worst final eval loss)")
-              if e2e["target_loss"] is not None else "No mode finished."]
+            lines.append(
+                f"| {r['mode']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |"
+                + " |" * 6
+            )
+    lines += [
+        "",
+        f"Target eval loss: {e2e['target_loss']:.4f}"
+        + (" (given)" if report["target_given"] else " (the worst final eval loss)")
+        if e2e["target_loss"] is not None
+        else "No mode finished.",
+    ]
     if e2e["parity_gap"]:
-        lines.append(f"Largest gap between the eval-loss curves at a common step: {e2e['parity_gap'][0]:.4f} (step {e2e['parity_gap'][1]}); "
-                     "each script masks with its own random draws, so the curves agree to that noise, not bitwise.")
+        lines.append(
+            f"Largest gap between the eval-loss curves at a common step: {e2e['parity_gap'][0]:.4f} (step {e2e['parity_gap'][1]}); "
+            "each script masks with its own random draws, so the curves agree to that noise, not bitwise."
+        )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in ran:
@@ -820,11 +1132,23 @@ def run_end_to_end(args, out, work, size, argv):
     e2e = end_to_end(args, work, size, config_dir, bar)
     bar.close()
     config = json.loads((config_dir / "config.json").read_text())
-    report = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "machine": machine_info(),
-              "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "workload": {"size": args.size, **size, "steps": args.steps, "eval_steps": args.eval_steps, "config": config,
-                           "learning_rate": e2e["learning_rate"], "num_params": e2e["num_params"]},
-              "target_given": args.target_loss is not None, "end_to_end": e2e, "runtime_s": time.perf_counter() - started}
+    report = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "machine": machine_info(),
+        "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "workload": {
+            "size": args.size,
+            **size,
+            "steps": args.steps,
+            "eval_steps": args.eval_steps,
+            "config": config,
+            "learning_rate": e2e["learning_rate"],
+            "num_params": e2e["num_params"],
+        },
+        "target_given": args.target_loss is not None,
+        "end_to_end": e2e,
+        "runtime_s": time.perf_counter() - started,
+    }
     write_end_to_end(out, report)
     print((out / "results.md").read_text())
     print(f"Wrote {out / 'results.md'}, results.json and curves.png in {report['runtime_s']:.0f} s")
@@ -833,26 +1157,64 @@ def run_end_to_end(args, out, work, size, argv):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", help="Where results.{md,json,png} (and a work/ cache) go.")
-    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="Model and batch preset (default: base; tiny with --quick).")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default=None,
+        help="Model and batch preset (default: base; tiny with --quick).",
+    )
     parser.add_argument("--quick", action="store_true", help="Tiny model, few steps, small matmul: a few minutes.")
-    parser.add_argument("--steps", type=int, default=None, help="Training steps per mode (default 8 quick, 20 otherwise).")
-    parser.add_argument("--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise).")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="Training steps per mode (default 8 quick, 20 otherwise)."
+    )
+    parser.add_argument(
+        "--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise)."
+    )
     parser.add_argument("--batch_size", type=int, default=None, help="Override the preset's global batch.")
     parser.add_argument("--seq_len", type=int, default=None, help="Override the preset's sequence length.")
-    parser.add_argument("--modes", default=None, help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}). "
-                        "Default: all but flax_pmap, and no bf16 mode on a CPU without bf16 instructions.")
-    parser.add_argument("--end_to_end", action="store_true", help="Run the real training scripts instead (flax/run_mlm_flax.py, "
-                        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): whole-command wall time, eval curves, time to a target.")
-    parser.add_argument("--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4).")
-    parser.add_argument("--target_loss", type=float, default=None, help="--end_to_end: eval loss whose first crossing is timed "
-                        "(default: the worst final eval loss among the modes).")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}). "
+        "Default: all but flax_pmap, and no bf16 mode on a CPU without bf16 instructions.",
+    )
+    parser.add_argument(
+        "--end_to_end",
+        action="store_true",
+        help="Run the real training scripts instead (flax/run_mlm_flax.py, "
+        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): whole-command wall time, eval curves, time to a target.",
+    )
+    parser.add_argument(
+        "--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4)."
+    )
+    parser.add_argument(
+        "--target_loss",
+        type=float,
+        default=None,
+        help="--end_to_end: eval loss whose first crossing is timed "
+        "(default: the worst final eval loss among the modes).",
+    )
     parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_pmap mode.")
-    parser.add_argument("--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false).")
-    parser.add_argument("--xla_python", default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
-                        help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.")
-    parser.add_argument("--preprocess_lines", type=int, default=None, help="PTB lines to preprocess (default 5000 quick, all otherwise).")
-    parser.add_argument("--no_inference", action="store_true", help="Skip the run_bert_flax.py fp32/bf16 inference benchmark.")
-    parser.add_argument("--repeats", type=int, default=3, help="Runs of every mode, interleaved round-robin (default 3).")
+    parser.add_argument(
+        "--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false)."
+    )
+    parser.add_argument(
+        "--xla_python",
+        default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
+        help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.",
+    )
+    parser.add_argument(
+        "--preprocess_lines",
+        type=int,
+        default=None,
+        help="PTB lines to preprocess (default 5000 quick, all otherwise).",
+    )
+    parser.add_argument(
+        "--no_inference", action="store_true", help="Skip the run_bert_flax.py fp32/bf16 inference benchmark."
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Runs of every mode, interleaved round-robin (default 3)."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -866,7 +1228,11 @@ def main(argv=None):
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
     args.preprocess_lines = args.preprocess_lines or (5000 if args.quick else 10**9)
     known = E2E_MODES if args.end_to_end else MODES
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else list(E2E_MODES if args.end_to_end else DEFAULT_MODES)
+    modes = (
+        [m.strip() for m in args.modes.split(",") if m.strip()]
+        if args.modes
+        else list(E2E_MODES if args.end_to_end else DEFAULT_MODES)
+    )
     unknown = [m for m in modes if m not in known]
     if unknown:
         fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -901,13 +1267,24 @@ def main(argv=None):
     for fw in frameworks:
         bar.set_postfix_str(f"matmul {fw}")
         # without bf16 instructions, a bf16 product is no peak (PyTorch's 4096^2 one takes many minutes): fp32 only
-        res = run_worker({"kind": "matmul", "framework": fw, "n": n, "reps": 5 if args.quick else 7,
-                          "precisions": ["fp32", "bf16"] if native_bf16 else ["fp32"]}, work)
+        res = run_worker(
+            {
+                "kind": "matmul",
+                "framework": fw,
+                "n": n,
+                "reps": 5 if args.quick else 7,
+                "precisions": ["fp32", "bf16"] if native_bf16 else ["fp32"],
+            },
+            work,
+        )
         matmul[fw] = {k: v for k, v in res.items() if k in ("fp32", "bf16", "error")}
         bar.update(1)
     measured = [v for v in matmul.values() if "fp32" in v]
     if not measured:
-        fail("no framework could time a matrix product: " + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items()))
+        fail(
+            "no framework could time a matrix product: "
+            + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items())
+        )
     peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16") if all(p in v for v in measured)}
 
     bar.set_postfix_str("initial weights")
@@ -920,10 +1297,20 @@ def main(argv=None):
     config = json.loads((config_dir / "config.json").read_text())
     flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
     results, schedule, versions = {name: [] for name in modes}, [], {}
-    for round_index, name in ((r, name) for r in range(args.repeats) for name in modes):  # interleaved: drift hits all alike
+    for round_index, name in (
+        (r, name) for r in range(args.repeats) for name in modes
+    ):  # interleaved: drift hits all alike
         bar.set_postfix_str(f"{name} ({round_index + 1}/{args.repeats})")
-        spec = {"kind": "train", "mode": name, "precision": MODES[name][1], "config_dir": str(config_dir), "init_dir": str(init_dir),
-                "batches": str(batches_path), "warmup_steps": args.warmup_steps, "work_dir": str(work / name)}
+        spec = {
+            "kind": "train",
+            "mode": name,
+            "precision": MODES[name][1],
+            "config_dir": str(config_dir),
+            "init_dir": str(init_dir),
+            "batches": str(batches_path),
+            "warmup_steps": args.warmup_steps,
+            "work_dir": str(work / name),
+        }
         if name in args.skipped:
             result = {"skipped": args.skipped[name]}
         elif name == "torch_xla":
@@ -932,7 +1319,9 @@ def main(argv=None):
             else:
                 result = run_worker(spec, work, python=args.xla_python, env={"PJRT_DEVICE": "CPU"})
         else:
-            flags = args.xla_flags + (f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_pmap" else "")
+            flags = args.xla_flags + (
+                f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_pmap" else ""
+            )
             result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))
         results[name].append(result)
@@ -942,23 +1331,56 @@ def main(argv=None):
 
     inference = {}
     if not args.no_inference:
-        setup = ["--batch_size", "8", "--seq_length", "64", "--num_warmup", "1", "--num_iterations", "3",
-                 "--config_overrides", "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512"] if args.quick \
+        setup = (
+            [
+                "--batch_size",
+                "8",
+                "--seq_length",
+                "64",
+                "--num_warmup",
+                "1",
+                "--num_iterations",
+                "3",
+                "--config_overrides",
+                "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512",
+            ]
+            if args.quick
             else ["--num_warmup", "2", "--num_iterations", "10"]
-        inference["setup"] = "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
+        )
+        inference["setup"] = (
+            "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
+        )
         for precision in ("float32", "bfloat16"):
-            if precision == "bfloat16" and not (native_bf16 or any(MODES[m][1] == "bf16" for m in modes if m not in args.skipped)):
-                inference[precision] = {"skipped": "this CPU has no bf16 instructions; name a bf16 mode in --modes to run it anyway"}
+            if precision == "bfloat16" and not (
+                native_bf16 or any(MODES[m][1] == "bf16" for m in modes if m not in args.skipped)
+            ):
+                inference[precision] = {
+                    "skipped": "this CPU has no bf16 instructions; name a bf16 mode in --modes to run it anyway"
+                }
                 bar.update(1)
                 continue
             bar.set_postfix_str(f"inference {precision}")
             path = work / f"bert-{precision}.json"
-            proc = subprocess.run([sys.executable, "flax/run_bert_flax.py", "--precision", precision, "--output_file", str(path), *setup],
-                                  cwd=ROOT, capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "flax/run_bert_flax.py",
+                    "--precision",
+                    precision,
+                    "--output_file",
+                    str(path),
+                    *setup,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode == 0 and path.is_file():
                 inference[precision] = json.loads(path.read_text())
             else:
-                inference[precision] = {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+                inference[precision] = {
+                    "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
+                }
             bar.update(1)
     bar.close()
 
@@ -973,8 +1395,18 @@ def main(argv=None):
         "versions": versions,
         "xla_flags": args.xla_flags,
         "schedule": schedule,
-        "workload": {"size": args.size, **size, "steps": args.steps, "warmup_steps": args.warmup_steps, "repeats": args.repeats, "num_params": num_params,
-                     "flops_per_step": flops, "learning_rate": LEARNING_RATE, "weight_decay": WEIGHT_DECAY, "config": config},
+        "workload": {
+            "size": args.size,
+            **size,
+            "steps": args.steps,
+            "warmup_steps": args.warmup_steps,
+            "repeats": args.repeats,
+            "num_params": num_params,
+            "flops_per_step": flops,
+            "learning_rate": LEARNING_RATE,
+            "weight_decay": WEIGHT_DECAY,
+            "config": config,
+        },
         "matmul": {"n": n, "frameworks": matmul, "peak": peaks},
         "preprocessing": preprocessing,
         "modes": rows,

@@ -20,8 +20,9 @@ import sys
 # This script never uses TensorFlow; keep transformers from importing it.
 os.environ.setdefault("USE_TF", "0")
 
-import numpy as np
 import tempfile
+
+import numpy as np
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer
@@ -52,8 +53,10 @@ def model_classes(config):
         name = name[4:] if name.startswith("Flax") else name
         if hasattr(transformers, name) and hasattr(transformers, f"Flax{name}"):
             return getattr(transformers, f"Flax{name}"), getattr(transformers, name)
-    fail(f"config.architectures is {config.architectures}: no architecture with both a Flax and a PyTorch class; "
-         "was the checkpoint written by save_pretrained of a Flax model?")
+    fail(
+        f"config.architectures is {config.architectures}: no architecture with both a Flax and a PyTorch class; "
+        "was the checkpoint written by save_pretrained of a Flax model?"
+    )
 
 
 def compare_logits(flax_model, pt_model, config, seed=0, batch=2, length=16):
@@ -84,7 +87,9 @@ def main(argv=None):
     if not os.path.isfile(weights):
         fail(f"--model_dir {args.model_dir} has no flax_model.msgpack")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
-        fail(f"--model_dir {args.model_dir} has weights but no config.json; export the folder a Flax script's save_pretrained wrote")
+        fail(
+            f"--model_dir {args.model_dir} has weights but no config.json; export the folder a Flax script's save_pretrained wrote"
+        )
     if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
         fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
     check_writable("--output_dir", args.output_dir)
@@ -101,7 +106,9 @@ def main(argv=None):
         pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
         flax_model = flax_cls.from_pretrained(args.model_dir)
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file becomes one line
-        fail(f"cannot read {weights} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the file complete?")
+        fail(
+            f"cannot read {weights} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the file complete?"
+        )
     pt_model.tie_weights()
     pt_model.eval()
     difference = compare_logits(flax_model, pt_model, config)
@@ -113,8 +120,10 @@ def main(argv=None):
         AutoTokenizer.from_pretrained(args.model_dir).save_pretrained(args.output_dir)
     else:
         print(f"No tokenizer in {args.model_dir}: only the model was exported", file=sys.stderr)
-    print(f"Exported {pt_cls.__name__} to {args.output_dir} (model.safetensors); "
-          f"max |logit difference| vs Flax: {difference:.2e}")
+    print(
+        f"Exported {pt_cls.__name__} to {args.output_dir} (model.safetensors); "
+        f"max |logit difference| vs Flax: {difference:.2e}"
+    )
 
 
 if __name__ == "__main__":

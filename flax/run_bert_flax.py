@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 os.environ.setdefault("USE_TF", "0")  # never needed here; transformers would import it
 
@@ -47,15 +46,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BenchmarkArguments:
-    precision: str = field(default="float32", metadata={"help": "float32 or bfloat16", "choices": ["float32", "bfloat16"]})
+    precision: str = field(
+        default="float32", metadata={"help": "float32 or bfloat16", "choices": ["float32", "bfloat16"]}
+    )
     batch_size: int = field(default=32, metadata={"help": "Sequences per call."})
     seq_length: int = field(default=128, metadata={"help": "Tokens per sequence."})
     num_warmup: int = field(default=5, metadata={"help": "Untimed calls first (the first one compiles)."})
     num_iterations: int = field(default=100, metadata={"help": "Timed calls."})
     seed: int = field(default=0, metadata={"help": "Seed of the random weights and token ids."})
-    config_name: Optional[str] = field(default=None, metadata={"help": "A BERT config folder (default: bert-base-uncased, built locally)."})
-    config_overrides: Optional[str] = field(default=None, metadata={"help": 'e.g. "hidden_size=64,num_hidden_layers=2" (for tests)'})
-    output_file: Optional[str] = field(default=None, metadata={"help": "Also write the results as JSON here."})
+    config_name: str | None = field(
+        default=None, metadata={"help": "A BERT config folder (default: bert-base-uncased, built locally)."}
+    )
+    config_overrides: str | None = field(
+        default=None, metadata={"help": 'e.g. "hidden_size=64,num_hidden_layers=2" (for tests)'}
+    )
+    output_file: str | None = field(default=None, metadata={"help": "Also write the results as JSON here."})
 
 
 def fail(message):
@@ -74,8 +79,17 @@ def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
-               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    support = (
+        "AMX-BF16"
+        if "amx_bf16" in flags
+        else "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "unknown"
+        if not flags
+        else f"none, {widest} only"
+        if widest
+        else "none"
+    )
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
@@ -90,13 +104,16 @@ def warn_if_bf16_is_slow(flag, value):
         return
     model, support = cpu_bf16()
     if support.startswith("none"):
-        logger.warning(f"{flag} bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; XLA computes bf16 "
-                       "products in f32 here, so float32 is as fast or faster. Going on as asked.")
+        logger.warning(
+            f"{flag} bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; XLA computes bf16 "
+            "products in f32 here, so float32 is as fast or faster. Going on as asked."
+        )
 
 
 def bf16_dot(a, b, contracting):
-    return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())), preferred_element_type=jnp.float32
+    )
 
 
 @jax.custom_vjp
@@ -130,15 +147,19 @@ def transposes_pay(tokens, kernel_shape):
     CPU for up to 1,024 tokens and layer widths of 512-4,096 (2-2.7x at 768, benchmarks/README.md). Beyond
     that, XLA:CPU's transposes can cost more than they save; a CPU without bf16 instructions computes the product
     in f32 either way; other backends take transposed operands as they are."""
-    return (jax.default_backend() == "cpu" and tokens <= 1024 and all(512 <= n <= 4096 for n in kernel_shape)
-            and not cpu_bf16()[1].startswith("none"))
+    return (
+        jax.default_backend() == "cpu"
+        and tokens <= 1024
+        and all(512 <= n <= 4096 for n in kernel_shape)
+        and not cpu_bf16()[1].startswith("none")
+    )
 
 
 def written_out_transpose(a):
     """a.T of a 2-D bf16 array as a new row-major array. XLA folds a plain transpose, even one behind an
     optimization barrier, into the product that reads it (which then runs in f32 on CPU); one padded and
     sliced back is written out."""
-    return jnp.pad(a.T, ((0, 0), (0, 1)))[:, :a.shape[0]]
+    return jnp.pad(a.T, ((0, 0), (0, 1)))[:, : a.shape[0]]
 
 
 bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
@@ -193,18 +214,28 @@ def parse_args(argv=None):
     """The arguments; a flag that does not exist (a typo) or a malformed value gets one line naming it."""
     parser = HfArgumentParser(BenchmarkArguments)
     parser.error = fail
-    args, unknown = parser.parse_args_into_dataclasses(args=sys.argv[1:] if argv is None else argv, return_remaining_strings=True)
+    args, unknown = parser.parse_args_into_dataclasses(
+        args=sys.argv[1:] if argv is None else argv, return_remaining_strings=True
+    )
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+        close = difflib.get_close_matches(
+            flag, [option for action in parser._actions for option in action.option_strings], n=1
+        )
         fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
     for name in ("batch_size", "seq_length", "num_iterations"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.num_warmup < 0:
         fail(f"--num_warmup must not be negative, got {args.num_warmup}")
-    if args.config_name and os.path.isdir(args.config_name) and not os.path.isfile(os.path.join(args.config_name, "config.json")):
-        fail(f"--config_name {args.config_name} holds no config.json; write one with tokenizers/create_config.py --model_type bert")
+    if (
+        args.config_name
+        and os.path.isdir(args.config_name)
+        and not os.path.isfile(os.path.join(args.config_name, "config.json"))
+    ):
+        fail(
+            f"--config_name {args.config_name} holds no config.json; write one with tokenizers/create_config.py --model_type bert"
+        )
     if args.output_file:  # found now, not after the timing
         folder = os.path.dirname(os.path.abspath(args.output_file))
         try:
@@ -220,7 +251,9 @@ def main():
     warn_if_bf16_is_slow("--precision", args.precision)
     model, params, config = build_model(args)
     rng = np.random.default_rng(args.seed)
-    input_ids = jnp.asarray(rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_length)), dtype=jnp.int32)
+    input_ids = jnp.asarray(
+        rng.integers(0, config.vocab_size, size=(args.batch_size, args.seq_length)), dtype=jnp.int32
+    )
 
     forward = make_forward(model, args.precision)
 
@@ -248,9 +281,11 @@ def main():
         "device": str(jax.devices()[0].device_kind),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
-    print(f"{args.precision}: median {median * 1000:.1f} ms per call of {args.batch_size} x {args.seq_length} tokens, "
-          f"{results['examples_per_second']:.1f} examples/s ({results['tokens_per_second']:.0f} tokens/s); "
-          f"warm-up incl. compile {warmup_s:.1f} s")
+    print(
+        f"{args.precision}: median {median * 1000:.1f} ms per call of {args.batch_size} x {args.seq_length} tokens, "
+        f"{results['examples_per_second']:.1f} examples/s ({results['tokens_per_second']:.0f} tokens/s); "
+        f"warm-up incl. compile {warmup_s:.1f} s"
+    )
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump(results, f, indent=2)

@@ -3,40 +3,23 @@
 # rewritten for transformers 4.57.6 / jax 0.9.2 / flax 0.12.6, offline by default.
 """Pretrain a causal language model (GPT-2, ...) with Flax, data parallel over all devices.
 
-Differences from upstream, all fixes or features named in README.md (the same as run_mlm_flax.py where
-they apply):
-- Durable runs: Orbax checkpoints `checkpoint-{step}` hold the whole train state (parameters, optimizer
-  state, step) and the data position, written atomically; `--save_total_limit` keeps the newest N;
-  `--resume_from_checkpoint [PATH]` continues a run exactly (bitwise, on the same device count). Data
-  order and dropout keys derive from (seed, epoch) and (seed, step, device), so a resumed run draws what
-  the uninterrupted run drew.
-- A non-finite loss, gradient or parameter stops training with one line naming the step and the last
-  good checkpoint, and never reaches a checkpoint.
-- `--gradient_accumulation_steps N`: the update is the token-weighted mean over all N micro-batches
-  (sum of per-token losses over the predicted tokens of the global batch), as one batch of N times the
-  size would give.
-- Live throughput at every logging step (tokens/s, seconds per step, TFLOP/s as XLA counts the step,
-  MFU with `--peak_tflops`) and the first step's compile time. TensorBoard events under
-  `output_dir/runs/<date>_<host>` with the Trainer's tags; `train_results.json`, `eval_results.json` and
-  `all_results.json` with the Trainer's keys; `--report_to`, `--log_level`. Tokens are never printed.
-- `--dtype bfloat16` computes the dense layers (and GPT-2's Conv1D) as bf16 products with f32
-  accumulation on an f32 model (upstream's bf16 model is slower than f32 on CPUs).
-- The loss is the sum over every predicted token on every device divided by their count (padding, which
-  only the padded last eval batch has, is masked out); evaluation covers every example; reports
-  next-token accuracy beside loss and perplexity.
-- Multi-host: every process builds the same global batch and feeds its own slice; launch with
-  `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or under SLURM, Open MPI or on a TPU pod
-  slice, where `jax.distributed.initialize()` finds the cluster itself.
-- Working defaults for `--eval_steps` (every epoch) and `--block_size` (the tokenizer's maximum capped by
-  the model's positions; a longer one fails instead of indexing past the position table); no training
-  loop without `--do_train`; linear-time `group_texts`; `--max_steps` and fractional epochs; hub names
-  are only contacted when given and fail at once offline.
-
 Example (local files, see README.md):
   python flax/run_clm_flax.py --output_dir out/clm --model_type gpt2 --config_name out/gpt2 \
       --tokenizer_name out/gpt2 --train_file data/ptb/train.txt --validation_file data/ptb/validation.txt \
       --block_size 128 --per_device_train_batch_size 16 --learning_rate 1e-3 --warmup_steps 100 \
       --num_train_epochs 1 --do_train --do_eval
+
+The objective (next-token loss) is one block below; the rest is the same in the four Flax training scripts.
+Differs from upstream:
+- The loss is the sum over every predicted token of the global batch over their count; padding (the last eval
+  batch's) is masked out; next-token accuracy beside loss and perplexity; GPT-2's Conv1D computes in bf16 too.
+- Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order and dropout
+  derive from (seed, epoch) and (seed, step, device). `--save_total_limit`, `--resume_from_checkpoint`.
+- A non-finite loss or gradient stops training before it reaches a checkpoint; bad input is one line, before work.
+- `--gradient_accumulation_steps`; every mean (loss, accuracy) is exact over the global batch and over evaluation.
+- `--dtype bfloat16`: bf16 products with f32 accumulation on an f32 model.
+- Throughput, TFLOP/s and MFU (`--peak_tflops`) in the log; TensorBoard and results files with the Trainer's keys.
+- Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 """
 
 import atexit
@@ -47,6 +30,7 @@ import datetime
 import difflib
 import fcntl
 import functools
+import inspect
 import json
 import logging
 import math
@@ -57,82 +41,78 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 # This script never uses TensorFlow, but transformers imports it (about 3 s) to test whether a
 # tensor is a TF tensor when both are installed. USE_TF=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
 
-import numpy as np
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
-
 import datasets
-from datasets import load_dataset
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax import traverse_util
+import transformers
+from datasets import load_dataset
 from flax.training import train_state
 from jax import lax
-from transformers import (
-    CONFIG_MAPPING,
-    FLAX_MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
-    AutoTokenizer,
-    FlaxAutoModelForCausalLM,
-    HfArgumentParser,
-    set_seed,
-)
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
+
+from flax import traverse_util
 
 logger = logging.getLogger(__name__)
 
-MODEL_CONFIG_CLASSES = list(FLAX_MODEL_FOR_CAUSAL_LM_MAPPING.keys())
-MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
-# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
-OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
+
+def arg(default, help, **kwargs):
+    """A dataclass field with its --help text, as HfArgumentParser reads it."""
+    return field(default=default, metadata={"help": help, **kwargs.pop("metadata", {})}, **kwargs)
 
 
-# --- arguments -------------------------------------------------------------------------------------------------
+# --- arguments ---------------------------------------------------------------------------------------------------
+# The three groups of upstream's script; the objective's own data arguments extend DataArguments in the block below.
+
 
 @dataclass
 class TrainingArguments:
     output_dir: str = field(metadata={"help": "Where the model, checkpoints, logs and results are written."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Write into a non-empty output_dir (a training run then starts afresh)."})
-    do_train: bool = field(default=False, metadata={"help": "Whether to run training."})
-    do_eval: bool = field(default=False, metadata={"help": "Whether to run eval on the dev set."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Batch size per device for training."})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Batch size per device for evaluation."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches accumulated into one update (the global batch is per_device x devices x this)."})
-    learning_rate: float = field(default=5e-5, metadata={"help": "The initial learning rate for AdamW."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay for AdamW if we apply some."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "Beta1 for AdamW optimizer"})
-    adam_beta2: float = field(default=0.999, metadata={"help": "Beta2 for AdamW optimizer"})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "Epsilon for AdamW optimizer."})
-    adafactor: bool = field(default=False, metadata={"help": "Whether or not to replace AdamW by Adafactor."})
-    num_train_epochs: float = field(default=3.0, metadata={"help": "Total number of training epochs (may be fractional)."})
-    max_steps: int = field(default=-1, metadata={"help": "If > 0: total number of training steps; overrides num_train_epochs."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup over warmup_steps."})
-    logging_steps: int = field(default=500, metadata={"help": "Log every X updates steps."})
-    save_steps: int = field(default=500, metadata={"help": "Save a checkpoint every X updates steps."})
-    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep only the newest N checkpoint-* folders."})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"nargs": "?", "const": "True", "help": "Continue from a checkpoint folder; without a value (or True), the last complete one in output_dir."})
-    eval_steps: Optional[int] = field(default=None, metadata={"help": "Run an evaluation every X steps (default: every epoch)."})
-    seed: int = field(default=42, metadata={"help": "Random seed that will be set at the beginning of training."})
-    report_to: str = field(default="tensorboard", metadata={"help": "tensorboard (events under output_dir/runs) or none."})
-    log_level: str = field(default="passive", metadata={"help": "debug, info, warning, error, critical, or passive (info)."})
-    peak_tflops: Optional[float] = field(default=None, metadata={"help": "The peak TFLOP/s of one device, to log the model FLOPs utilisation (MFU)."})
-    push_to_hub: bool = field(default=False, metadata={"help": "Whether or not to upload the trained model to the model hub after training."})
-    hub_model_id: str = field(default=None, metadata={"help": "The name of the repository to keep in sync with the local `output_dir`."})
-    hub_token: str = field(default=None, repr=False, metadata={"help": "The token to use to push to the Model Hub."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Use gradient checkpointing to save memory at the expense of slower backward pass."})
+    overwrite_output_dir: bool = arg(False, "Write into a non-empty output_dir (a training run then starts afresh).")
+    do_train: bool = arg(False, "Whether to run training.")
+    do_eval: bool = arg(False, "Whether to run eval on the dev set.")
+    per_device_train_batch_size: int = arg(8, "Batch size per device for training.")
+    per_device_eval_batch_size: int = arg(8, "Batch size per device for evaluation.")
+    gradient_accumulation_steps: int = arg(1, "Micro-batches per update (global batch: per device x devices x this).")
+    learning_rate: float = arg(5e-5, "The initial learning rate for AdamW.")
+    weight_decay: float = arg(0.0, "Weight decay for AdamW if we apply some.")
+    adam_beta1: float = arg(0.9, "Beta1 for AdamW optimizer")
+    adam_beta2: float = arg(0.999, "Beta2 for AdamW optimizer")
+    adam_epsilon: float = arg(1e-8, "Epsilon for AdamW optimizer.")
+    adafactor: bool = arg(False, "Whether or not to replace AdamW by Adafactor.")
+    num_train_epochs: float = arg(3.0, "Total number of training epochs (may be fractional).")
+    max_steps: int = arg(-1, "If > 0: total number of training steps; overrides num_train_epochs.")
+    warmup_steps: int = arg(0, "Linear warmup over warmup_steps.")
+    logging_steps: int = arg(500, "Log every X updates steps.")
+    save_steps: int = arg(500, "Save a checkpoint every X updates steps.")
+    save_total_limit: int | None = arg(None, "Keep only the newest N checkpoint-* folders.")
+    resume_from_checkpoint: str | None = arg(
+        None, "Checkpoint to continue; alone: the newest in output_dir.", metadata={"nargs": "?", "const": "True"}
+    )
+    eval_steps: int | None = arg(None, "Run an evaluation every X steps (default: every epoch).")
+    seed: int = arg(42, "Random seed that will be set at the beginning of training.")
+    report_to: str = arg("tensorboard", "tensorboard (events under output_dir/runs) or none.")
+    log_level: str = arg("passive", "debug, info, warning, error, critical, or passive (info).")
+    peak_tflops: float | None = arg(None, "Peak TFLOP/s of one device, to log the MFU.")
+    push_to_hub: bool = arg(False, "Whether or not to upload the trained model to the model hub after training.")
+    hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
+    hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
+    gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
 
     def __post_init__(self):
         if self.output_dir is not None:
@@ -141,37 +121,432 @@ class TrainingArguments:
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."})
-    model_type: Optional[str] = field(default=None, metadata={"help": "If training from scratch, pass a model type from the list: " + ", ".join(MODEL_TYPES)})
-    config_name: Optional[str] = field(default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"})
-    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from s3"})
-    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."})
-    dtype: Optional[str] = field(default="float32", metadata={"help": "Floating-point format of the computation: float32, float16, or bfloat16 (bf16 products with f32 accumulation on an f32 model)."})
-    token: str = field(default=None, repr=False, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."})
+    model_name_or_path: str | None = arg(None, "Weights to start from (leave out to train from scratch).")
+    model_type: str | None = arg(None, "From scratch: a model type this script trains.")
+    config_name: str | None = arg(None, "Pretrained config name or path if not the same as model_name")
+    tokenizer_name: str | None = arg(None, "Pretrained tokenizer name or path if not the same as model_name")
+    cache_dir: str | None = arg(None, "Where do you want to store the pretrained models downloaded from s3")
+    use_fast_tokenizer: bool = arg(True, "Use a fast (Rust) tokenizer.")
+    dtype: str | None = arg("float32", "float32, float16, or bfloat16 (bf16 products into f32 on an f32 model).")
+    token: str = arg(None, "The token to use as HTTP bearer authorization for remote files.", repr=False)
+    trust_remote_code: bool = arg(False, "Run code from the Hub's datasets/models.")
 
 
 @dataclass
-class DataTrainingArguments:
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."})
-    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "The input training data file (a text, csv or json file)."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples to this value if set."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation examples to this value if set."})
-    overwrite_cache: bool = field(default=False, metadata={"help": "Overwrite the cached training and evaluation sets"})
-    validation_split_percentage: Optional[int] = field(default=5, metadata={"help": "The percentage of the train set used as validation set in case there's no validation split"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "Training sequences are cut into blocks of this many tokens (default: the tokenizer's maximum, capped by the model's positions)."})
-    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "The number of processes to use for the preprocessing."})
-    keep_linebreaks: bool = field(default=True, metadata={"help": "Whether to keep line breaks when using TXT files or not."})
+class DataArguments:
+    dataset_name: str | None = arg(None, "The name of the dataset to use (via the datasets library).")
+    dataset_config_name: str | None = arg(None, "The configuration of --dataset_name.")
+    train_file: str | None = arg(None, "The input training data file (a text, csv or json file).")
+    validation_file: str | None = arg(None, "An evaluation data file (text, csv or json).")
+    overwrite_cache: bool = arg(False, "Overwrite the cached training and evaluation sets")
+    validation_split_percentage: int | None = arg(5, "Percent of train held out without a validation split.")
+    preprocessing_num_workers: int | None = arg(None, "The number of processes to use for the preprocessing.")
+    max_train_samples: int | None = arg(None, "Use at most this many training rows.")
+    max_eval_samples: int | None = arg(None, "Use at most this many evaluation rows.")
+    dump_noised_examples: int | None = arg(None, "Write N training rows as the step sees them to output_dir and exit.")
 
 
-# --- checks ----------------------------------------------------------------------------------------------------
+# === the objective: causal language modelling =====================================================================
+# Everything that differs between the four Flax training scripts is in this block, under the same names in each.
+# The rest of the file is the same text in all four (tests/test_layout.py checks it): to train another objective,
+# copy a script and change this block.
+
+MODEL_CLASS = transformers.FlaxAutoModelForCausalLM
+MODEL_TYPES = tuple(config.model_type for config in transformers.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING)
+OBJECTIVE = "causal-LM"  # in messages
+LENGTH_FLAG = "block_size"  # the argument that sets the sequence length
+SCORED_TOKENS = "predicted_tokens"  # what the loss is averaged over, in the results' key names
+# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
+OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
+
+
+@dataclass
+class DataTrainingArguments(DataArguments):
+    block_size: int | None = arg(
+        None, "Tokens per block (default: the tokenizer's maximum, within the model's positions)."
+    )
+    keep_linebreaks: bool = arg(True, "Whether to keep line breaks when using TXT files or not.")
+
+
+def validate_objective(data_args):
+    """Causal language modelling has no arguments of its own to check."""
+
+
+def fit_objective(config, tokenizer, source):
+    """The model decodes: encoder types (BERT, RoBERTa, ...) attend causally only with is_decoder set, else each
+    position sees the token it predicts. Any tokenizer will do: the loss shifts the input ids."""
+    config.is_decoder = True
+
+
+def resolve_max_seq_length(data_args, config, tokenizer):
+    """The block size: --block_size, else the tokenizer's limit; the model's positions bound it."""
+    model_positions = getattr(config, "max_position_embeddings", None)
+    if model_positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        model_positions -= (config.pad_token_id or 0) + 1
+    if data_args.block_size is None:
+        block_size = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
+    else:
+        if data_args.block_size > tokenizer.model_max_length:
+            logger.warning(
+                f"--block_size {data_args.block_size} is larger than the tokenizer's maximum "
+                f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}."
+            )
+        block_size = min(data_args.block_size, tokenizer.model_max_length)
+    if model_positions is not None and block_size > model_positions:
+        fail(f"--block_size {block_size} is longer than the model's {model_positions} positions")
+    if block_size <= 1:
+        fail(f"--block_size must be at least 2, got {block_size}")
+    return block_size
+
+
+def preprocess(raw_datasets, data_args, tokenizer, block_size):
+    """Tokenize every text as is (with --keep_linebreaks its newline separates it from the next) and pack the token
+    stream into blocks. Upstream also stores labels = input_ids; the loss shifts input_ids itself."""
+    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
+    text_column_name = text_column(raw_datasets, data_args)
+    map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+    tokenized = raw_datasets.map(
+        lambda texts: tokenizer(texts),
+        input_columns=[text_column_name],
+        batched=True,
+        remove_columns=column_names,
+        desc="Running tokenizer on dataset",
+        **map_kwargs,
+    )
+    return tokenized.map(
+        group_texts,
+        batched=True,
+        fn_kwargs={"block_size": block_size},
+        desc=f"Grouping texts in chunks of {block_size}",
+        **map_kwargs,
+    )
+
+
+def build_collator(data_args, config, tokenizer, block_size):
+    """Causal language modelling draws no noise: its "collator" is the id that pads the last eval batch."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def collate_batch(pad_token_id, examples, seed, row_ids, num_rows):
+    """The model's batch of `num_rows` rows: the blocks, padded (padding and extra rows carry attention 0, so no
+    loss). `seed` and `row_ids` are unused: there is no noise to draw."""
+    batch = {
+        "input_ids": np.full((num_rows, max(len(ids) for ids in examples["input_ids"])), pad_token_id, dtype=np.int32)
+    }
+    batch["attention_mask"] = np.zeros_like(batch["input_ids"])
+    for row, ids in enumerate(examples["input_ids"]):
+        batch["input_ids"][row, : len(ids)] = ids
+        batch["attention_mask"][row, : len(ids)] = 1
+    return batch
+
+
+def loss_sums(model, params, batch, rng, train, bf16):
+    """Named (sum, count) pairs of next-token cross-entropy and correct predictions: position t predicts token
+    t + 1 wherever both are real (not padding)."""
+    logits = model_logits(model, params, batch, bf16, dropout_rng=rng, train=train)
+    mask = batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]
+    return token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+
+
+# === end of the objective ==========================================================================================
+
+
+# --- main --------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+    setup_logging(training_args)
+    validate_args(model_args, data_args, training_args)
+    checkpoint = find_checkpoint(training_args)
+    lock = start_process(model_args, training_args)
+
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+    dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
+    plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
+    collator = build_collator(data_args, config, tokenizer, max_seq_length)
+    if data_args.dump_noised_examples:
+        return dump_noised_examples(
+            dataset["train"], collator, plan, training_args, tokenizer, data_args.dump_noised_examples
+        )
+
+    hub = open_hub_repo(training_args)
+    model, state, schedule = build_train_state(
+        model_args, training_args, config, plan, abstract=checkpoint is not None
+    )
+    progress = TrainingProgress()
+    if checkpoint is not None:
+        state, progress = restore_checkpoint(
+            checkpoint, state, plan, training_args.seed, objective_settings(data_args)
+        )
+    logger.info(
+        f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
+        f"{plan.num_devices} devices ({plan.local_devices} local), --{LENGTH_FLAG} {max_seq_length}"
+    )
+    bf16 = model_args.dtype == "bfloat16"
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
+    writer = open_summary_writer(training_args)
+    run = Run(
+        training_args, plan, model, tokenizer, collator, dataset, hub, writer, eval_step, objective_settings(data_args)
+    )
+    state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
+
+    last_eval = None
+    if training_args.do_train:
+        if jax.process_index() == 0:
+            clear_checkpoints(training_args.output_dir, fresh_start=checkpoint is None)
+        train_step = make_train_step(model, schedule, bf16, training_args.seed)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            state, train_metrics, last_eval = train(state, train_step, run, progress)
+        write_results(training_args.output_dir, "train", {**train_metrics, LENGTH_FLAG: max_seq_length})
+    params = state.params
+    del state  # evaluation needs no optimizer state
+    if training_args.do_eval:
+        evaluate_and_write_results(params, run, progress, last_eval)
+    if run.writer is not None:
+        run.writer.close()
+    if lock is not None:
+        lock.close()
+
+
+# --- model, steps and loop -----------------------------------------------------------------------------------------
+
+
+def build_train_state(model_args, training_args, config, plan, abstract=False):
+    """The model and its train state (parameters, optimizer state, step) on the host, with the learning-rate
+    schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into.
+    --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is
+    upstream's model dtype."""
+    dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
+    # _do_init=False: the model object keeps no copy of the weights beside the train state's.
+    hub_kwargs = dict(
+        cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code
+    )
+    if model_args.model_name_or_path and not abstract:
+        try:
+            model, params = MODEL_CLASS.from_pretrained(
+                model_args.model_name_or_path,
+                config=config,
+                seed=training_args.seed,
+                dtype=dtype,
+                _do_init=False,
+                **hub_kwargs,
+            )
+        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
+            fail(
+                f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {first_line(e)}); "
+                "is its weights file complete?"
+            )
+    else:
+        model = MODEL_CLASS.from_config(
+            config,
+            seed=training_args.seed,
+            dtype=dtype,
+            _do_init=False,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+        init = functools.partial(model.init_weights, model.key, model.input_shape)
+        params = jax.eval_shape(init) if abstract else init()
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    schedule = create_learning_rate_fn(
+        max(plan.total_steps, 1), training_args.warmup_steps, training_args.learning_rate
+    )
+    if training_args.adafactor:
+        # Upstream's choice: Adafactor with the same schedule, no decay mask.
+        optimizer = optax.adafactor(learning_rate=schedule)
+    else:
+        optimizer = optax.adamw(
+            learning_rate=schedule,
+            b1=training_args.adam_beta1,
+            b2=training_args.adam_beta2,
+            eps=training_args.adam_epsilon,
+            weight_decay=training_args.weight_decay,
+            mask=decay_mask_fn,
+        )
+    create = functools.partial(train_state.TrainState.create, apply_fn=model.__call__, tx=optimizer)
+    state = jax.eval_shape(create, params=params) if abstract else create(params=params)
+    return model, state, schedule
+
+
+def make_train_step(model, schedule, bf16, seed):
+    """The train step, compiled once for all local devices. Its batch holds one row of micro-batches per device
+    (--gradient_accumulation_steps). loss_sums' named sums and counts are added up over every micro-batch of every
+    device before any division, so each metric is the exact mean over the global batch; the update follows the
+    summed loss divided by its count, which is what one batch of that size gives."""
+    base_key = jax.random.PRNGKey(seed)
+
+    def loss_fn(params, batch, dropout_rng):
+        sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
+        return sums["loss"][0], sums
+
+    grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=save_all_but_transcendentals), has_aux=True)
+
+    def train_step(state, batch):
+        # Dropout keys from (seed, step, device, micro-batch): a resumed run draws what an uninterrupted one drew.
+        step_key = jax.random.fold_in(jax.random.fold_in(base_key, state.step), lax.axis_index("batch"))
+
+        def micro_step(totals, micro):
+            index, micro_batch = micro
+            (_, sums), grad = grad_fn(state.params, micro_batch, jax.random.fold_in(step_key, index))
+            return jax.tree_util.tree_map(jnp.add, totals, (sums, grad)), None
+
+        first = jax.tree_util.tree_map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(grad_fn, state.params, first, step_key)
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[0][1], shapes[1]))
+        micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        (sums, grad), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
+        sums = lax.psum(sums, "batch")
+        count = jnp.maximum(sums["loss"][1], 1)
+        grad = jax.tree_util.tree_map(lambda g: lax.psum(g, "batch") / count, grad)
+        metrics = {name: total / jnp.maximum(n, 1) for name, (total, n) in sums.items()}
+        metrics.update(learning_rate=schedule(state.step), grad_norm=optax.global_norm(grad))
+        return state.apply_gradients(grads=grad), metrics
+
+    return jax.pmap(train_step, "batch", donate_argnums=(0,))
+
+
+def make_eval_step(model, bf16, seed):
+    """The eval step: loss_sums' named sums and counts over every device. Its rng follows (seed, batch index,
+    device), so an objective that samples evaluates the same way at every evaluation."""
+
+    def eval_step(params, batch, index):
+        rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), index), lax.axis_index("batch"))
+        return lax.psum(loss_sums(model, params, batch, rng, train=False, bf16=bf16), "batch")
+
+    return jax.pmap(eval_step, "batch")
+
+
+@dataclass
+class Run:
+    """What training and evaluation need besides the train state, set up once by main()."""
+
+    args: TrainingArguments
+    plan: Any
+    model: Any
+    tokenizer: Any
+    collator: Any
+    dataset: Any  # the train and validation splits
+    hub: Any  # (api, repo id, token) with --push_to_hub
+    writer: Any  # TensorBoard
+    eval_step: Any  # None without --do_eval
+    objective: dict  # the objective's own arguments, recorded in checkpoints
+
+
+def train(state, train_step, run, progress):
+    """Train the replicated `state` from `progress` to plan.total_steps; after each step, log, evaluate and save as
+    due (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
+    plan, args = run.plan, run.args
+    log_training_start(plan, progress)
+    loop = Loop(first_step=progress.global_step)
+    with tqdm(
+        total=plan.total_steps,
+        initial=loop.first_step,
+        desc="Training",
+        disable=plan.process_index != 0,
+        dynamic_ncols=True,
+    ) as bar:  # a context manager: the bar is closed before an error line
+        for epoch in range(progress.epoch, plan.num_epochs):
+            batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, args.seed, epoch)
+            for index in range(progress.batch_in_epoch, len(batches)):
+                if progress.global_step >= plan.total_steps:
+                    break
+                rows = np.sort(batches[index])
+                batch = collate_batch(run.collator, run.dataset["train"][rows], (args.seed, epoch), rows, len(rows))
+                loop.window.tokens, loop.window.steps = (
+                    loop.window.tokens + batch["input_ids"].size,
+                    loop.window.steps + 1,
+                )
+                loop.tokens += batch["input_ids"].size
+                state, metrics = timed_step(
+                    train_step, state, device_batch(batch, plan, args.gradient_accumulation_steps), loop
+                )
+                progress.global_step += 1
+                progress.epoch, progress.batch_in_epoch = (
+                    (epoch, index + 1) if index + 1 < len(batches) else (epoch + 1, 0)
+                )
+                loop.pending.append((progress.global_step, metrics))
+                bar.update(1)
+                after_step(state, run, progress, loop, end_of_epoch=index == len(batches) - 1)
+    return state, train_summary(plan, progress, loop), loop.last_eval
+
+
+def after_step(state, run, progress, loop, end_of_epoch):
+    """What follows a step: a log line every --logging_steps, an evaluation every --eval_steps (default: each
+    epoch) and a checkpoint every --save_steps, each also after the last step."""
+    args, step = run.args, progress.global_step
+    last = step == run.plan.total_steps
+    if step % args.logging_steps == 0 or last:
+        fetched = fetch_metrics(loop.pending, progress)
+        loop.losses.extend(m["loss"] for m in fetched)
+        flops = loop.flops and loop.flops * run.plan.num_devices
+        log_training(progress, fetched[-1], run.plan, loop.window, flops, args.peak_tflops, run.writer)
+    due = step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last
+    if run.eval_step is not None and due:
+        with loop.window.paused():
+            loop.last_eval = (step, evaluate(state.params, run))
+        log_eval(loop.last_eval[1], step, run.writer)
+    if step % args.save_steps == 0 or last:
+        with loop.window.paused():
+            loop.losses.extend(m["loss"] for m in fetch_metrics(loop.pending, progress))
+            progress.last_checkpoint = save_checkpoint(state, progress, run)
+
+
+def evaluate_and_write_results(params, run, progress, last_eval):
+    """eval_results.json from the evaluation at the last step, run now if training did not end with one."""
+    if last_eval is None or last_eval[0] != progress.global_step:
+        last_eval = (progress.global_step, evaluate(params, run))
+        log_eval(last_eval[1], progress.global_step, run.writer)
+    epoch = progress.global_step / run.plan.steps_per_epoch if run.plan.steps_per_epoch else 0.0
+    eval_metrics = {**last_eval[1], "epoch": epoch}
+    write_results(run.args.output_dir, "eval", eval_metrics)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
+
+
+def evaluate(params, run):
+    """Every named mean of loss_sums over every example of the validation set, and the perplexity, with each
+    example's noise drawn from (seed, index): the same at every evaluation, whatever the batch size or device
+    count."""
+    plan, dataset, started, totals = run.plan, run.dataset["validation"], time.perf_counter(), {}
+    batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
+    for index, rows in enumerate(tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0)):
+        batch = device_batch(
+            collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size), plan
+        )
+        sums = unreplicate(run.eval_step(params, batch, np.full(plan.local_devices, index, np.int32)))
+        for name, (total, count) in sums.items():
+            previous = totals.get(name, (0.0, 0.0))
+            totals[name] = (previous[0] + float(total), previous[1] + float(count))
+    runtime = time.perf_counter() - started
+    metrics = {f"eval_{name}": total / max(count, 1.0) for name, (total, count) in totals.items()}
+    loss = metrics["eval_loss"]
+    return {
+        **metrics,
+        "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+        f"eval_{SCORED_TOKENS}": int(totals["loss"][1]),
+        "eval_samples": len(dataset),
+        "eval_runtime": runtime,
+        "eval_samples_per_second": len(dataset) / runtime,
+        "eval_steps_per_second": len(batches) / runtime,
+    }
+
+
+# === shared machinery: the same text in the four Flax training scripts ===========================================
+
+
+# --- arguments and checks ----------------------------------------------------------------------------------------
+
 
 def fail(message):
     """One line on stderr naming what is wrong and what to do, and a non-zero exit."""
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
+
+
+def first_line(error):
+    return str(error).splitlines()[0] if str(error) else ""
 
 
 def hub_reachable(timeout=5.0):
@@ -193,9 +568,11 @@ def check_hub_name(flag, name):
     if name is None or os.path.exists(name):
         return
     if not hub_reachable():
-        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
-             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
-             "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
+        fail(
+            f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
+            "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
+            "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+        )
 
 
 def parse_args(argv=None):
@@ -214,16 +591,24 @@ def parse_args(argv=None):
     *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+        close = difflib.get_close_matches(
+            flag, [option for action in parser._actions for option in action.option_strings], n=1
+        )
         fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
     return groups
 
 
 def setup_logging(training_args):
-    level = {"passive": logging.INFO}.get(training_args.log_level, getattr(logging, training_args.log_level.upper(), None))
+    level = {"passive": logging.INFO}.get(
+        training_args.log_level, getattr(logging, training_args.log_level.upper(), None)
+    )
     if not isinstance(level, int):
-        fail(f"--log_level must be one of debug, info, warning, error, critical, passive; got {training_args.log_level!r}")
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True)
+        fail(
+            f"--log_level must be one of debug, info, warning, error, critical, passive; got {training_args.log_level!r}"
+        )
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True
+    )
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
 
@@ -237,13 +622,25 @@ def validate_args(model_args, data_args, training_args):
     if data_args.train_file and data_args.validation_file:
         extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
         if len(extensions) > 1:
-            fail(f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}")
+            fail(
+                f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}"
+            )
     for flag in ("max_train_samples", "max_eval_samples"):
         if getattr(data_args, flag) is not None and getattr(data_args, flag) <= 0:
             fail(f"--{flag} must be a positive integer, got {getattr(data_args, flag)}")
+    if data_args.dump_noised_examples is not None and (
+        data_args.dump_noised_examples <= 0 or not training_args.do_train
+    ):
+        fail(
+            "--dump_noised_examples N shows the first N rows the training run would see: give N > 0 and the run's own "
+            "--do_train command line"
+        )
+    validate_objective(data_args)
     validate_training_args(training_args)
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
-        fail(f"--model_type {model_args.model_type!r} has no Flax causal-LM model; choose one of {', '.join(MODEL_TYPES)}")
+        fail(
+            f"--model_type {model_args.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
+        )
     validate_model_args(model_args)
     check_hub_name("--dataset_name", data_args.dataset_name)
 
@@ -266,8 +663,10 @@ def check_data_file(flag, path):
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
-                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                     "e.g. with iconv -f latin1 -t utf-8")
+                fail(
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    "e.g. with iconv -f latin1 -t utf-8"
+                )
             line += chunk.count(newline)
     if empty:
         fail(f"{flag} {path} is empty")
@@ -300,8 +699,18 @@ def validate_model_args(model_args):
 def validate_training_args(training_args):
     if not training_args.do_train and not training_args.do_eval:
         fail("nothing to do: pass --do_train and/or --do_eval")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "logging_steps",
-                 "save_steps", "eval_steps", "save_total_limit", "peak_tflops", "learning_rate", "adam_epsilon"):
+    for flag in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "save_steps",
+        "eval_steps",
+        "save_total_limit",
+        "peak_tflops",
+        "learning_rate",
+        "adam_epsilon",
+    ):
         value = getattr(training_args, flag)
         if value is not None and value <= 0:
             fail(f"--{flag} must be positive, got {value}")
@@ -320,7 +729,9 @@ def validate_training_args(training_args):
         fail(f"--output_dir {output_dir} exists and is not a directory")
     check_writable("--output_dir", output_dir)
     if training_args.push_to_hub and not hub_reachable():
-        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload {output_dir} later")
+        fail(
+            f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload {output_dir} later"
+        )
 
 
 def lock_output_dir(output_dir):
@@ -328,14 +739,18 @@ def lock_output_dir(output_dir):
     of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
     so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
     if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
-        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+        atexit.register(
+            lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
+        )
     os.makedirs(output_dir, exist_ok=True)
     lock = open(os.path.join(output_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.seek(0)
-        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+        fail(
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+        )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
     lock.flush()
@@ -349,7 +764,9 @@ def init_distributed():
     worker processes fork before JAX starts threads."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         try:
-            jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+            jax.distributed.initialize(
+                num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"])
+            )
         except (KeyError, ValueError) as e:
             fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
         return
@@ -359,13 +776,35 @@ def init_distributed():
         pass
 
 
-# --- data ------------------------------------------------------------------------------------------------------
+def start_process(model_args, training_args):
+    """Join a multi-host run, watch compilations, warn about a slow --dtype, lock output_dir (process 0) and quiet the
+    other processes' logs. Returns the lock, to hold while the process runs."""
+    init_distributed()
+    release_compiler_memory()
+    warn_if_bf16_is_slow("--dtype", model_args.dtype)
+    lock = lock_output_dir(training_args.output_dir) if jax.process_index() == 0 else None
+    if jax.process_index() != 0:
+        datasets.utils.logging.set_verbosity_error()
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info(f"Training/evaluation parameters {training_args}")
+    set_seed(training_args.seed)
+    return lock
+
+
+# --- data --------------------------------------------------------------------------------------------------------
+
 
 def load_raw_datasets(model_args, data_args):
     split_pct = data_args.validation_split_percentage
     common = dict(cache_dir=model_args.cache_dir, token=model_args.token)
     if data_args.dataset_name is not None:
-        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
+        load = functools.partial(
+            load_dataset,
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            trust_remote_code=model_args.trust_remote_code,
+            **common,
+        )
     else:
         data_files = {}
         if data_args.train_file is not None:
@@ -374,16 +813,18 @@ def load_raw_datasets(model_args, data_args):
             data_files["validation"] = data_args.validation_file
         extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
         extension = "text" if extension == "txt" else extension
-        if extension == "text":
+        if extension == "text" and hasattr(data_args, "keep_linebreaks"):
             common["keep_linebreaks"] = data_args.keep_linebreaks
-        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+        load = functools.partial(load_dataset, extension, data_files=data_files, **common)
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     try:
         raw = load()
         if "validation" not in raw.keys() and "train" in raw.keys():
             if round(len(raw["train"]) * split_pct / 100) == 0:
-                fail(f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
-                     "give --validation_file, or more text")
+                fail(
+                    f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                    "give --validation_file, or more text"
+                )
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
@@ -401,13 +842,14 @@ def text_column(raw_datasets, data_args):
         logger.warning(f"no column named 'text': taking the text from the first column, {columns[0]!r}")
         return columns[0]
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
-    fail(f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'")
+    fail(
+        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'"
+    )
 
 
 def group_texts(examples, block_size):
-    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch
-    shorter than one block is kept whole), exactly as upstream but in linear time. Upstream also
-    stores labels = input_ids; the loss here shifts input_ids itself, so no copy is kept."""
+    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch shorter than one
+    block is kept whole), exactly as upstream but in linear time."""
     concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
     total_length = len(concatenated[list(examples.keys())[0]])
     if total_length >= block_size:
@@ -415,31 +857,30 @@ def group_texts(examples, block_size):
     return {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
 
 
-def preprocess(raw_datasets, data_args, tokenizer, block_size):
-    """Tokenize every text as is (with --keep_linebreaks its newline separates it from the next), pack the
-    token stream into blocks, and keep at most --max_train_samples / --max_eval_samples of them."""
-    column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
-    text_column_name = text_column(raw_datasets, data_args)
-    map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
-    tokenized = raw_datasets.map(lambda texts: tokenizer(texts), input_columns=[text_column_name], batched=True,
-                                 remove_columns=column_names, desc="Running tokenizer on dataset", **map_kwargs)
-    lm_datasets = tokenized.map(group_texts, batched=True, fn_kwargs={"block_size": block_size},
-                                desc=f"Grouping texts in chunks of {block_size}", **map_kwargs)
+def objective_settings(data_args):
+    """The objective's own arguments (those DataTrainingArguments adds to DataArguments), as checkpoints record them."""
+    shared = {f.name for f in fields(DataArguments)}
+    return {f.name: getattr(data_args, f.name) for f in fields(data_args) if f.name not in shared}
+
+
+def select_samples(dataset, data_args):
+    """At most --max_train_samples / --max_eval_samples rows of each split."""
     for split, limit in (("train", data_args.max_train_samples), ("validation", data_args.max_eval_samples)):
-        if limit is not None and split in lm_datasets:
-            lm_datasets[split] = lm_datasets[split].select(range(min(limit, len(lm_datasets[split]))))
-    return lm_datasets
+        if limit is not None and split in dataset:
+            dataset[split] = dataset[split].select(range(min(limit, len(dataset[split]))))
+    return dataset
 
 
-def collate_batch(examples, seed, row_ids, num_rows, pad_token_id):
-    """The model's batch of `num_rows` rows: the blocks, padded (padding and extra rows carry attention 0, so
-    no loss). Causal LM draws no noise: `seed` and `row_ids` are unused."""
-    batch = {"input_ids": np.full((num_rows, max(len(ids) for ids in examples["input_ids"])), pad_token_id, dtype=np.int32)}
-    batch["attention_mask"] = np.zeros_like(batch["input_ids"])
-    for row, ids in enumerate(examples["input_ids"]):
-        batch["input_ids"][row, : len(ids)] = ids
-        batch["attention_mask"][row, : len(ids)] = 1
-    return batch
+def pad_rows(batch, num_rows, fill):
+    """The batch extended to `num_rows` rows with rows of `fill` values (0 where none is given), so that every
+    device gets a full batch; an extra row carries no label and no attention."""
+    extra = num_rows - len(next(iter(batch.values())))
+    if not extra:
+        return batch
+    return {
+        k: np.concatenate([v, np.full((extra,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)])
+        for k, v in batch.items()
+    }
 
 
 def generate_batch_splits(samples_idx, batch_size, drop_last=True):
@@ -459,10 +900,50 @@ def epoch_batches(num_examples, batch_size, seed, epoch):
     return generate_batch_splits(np.random.default_rng([seed, epoch]).permutation(num_examples), batch_size)
 
 
-# --- model and optimizer ---------------------------------------------------------------------------------------
+def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
+    """Write the first `count` rows of the first epoch, batched and noised as training would, to
+    output_dir/noised_examples.jsonl: the row before noise, the model input (trailing padding left out) and the
+    labels (-100 kept), with the first two decoded, to see what the model is asked to do."""
+    if plan.process_index != 0:
+        return
+    path, written, seed = os.path.join(training_args.output_dir, "noised_examples.jsonl"), 0, training_args.seed
+    with open(path, "w") as f:
+        for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
+            rows = np.sort(batch_rows)
+            examples = dataset[rows]
+            batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
+            for k, row in enumerate(rows[: count - written]):
+                kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)  # trailing padding left out
+                inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
+                original = list(examples["input_ids"][k])
+                labels = batch["labels"][k].tolist() if "labels" in batch else None
+                f.write(
+                    json.dumps(
+                        {
+                            "batch": index,
+                            "row": int(row),
+                            "original_ids": original,
+                            "input_ids": inputs,
+                            "labels": labels,
+                            "original_text": tokenizer.decode(original),
+                            "input_text": tokenizer.decode(inputs),
+                        }
+                    )
+                    + "\n"
+                )
+                written += 1
+            if written == count:
+                break
+    logger.info(f"wrote {written} noised training rows to {path}")
+
+
+# --- model and plan ----------------------------------------------------------------------------------------------
+
 
 def load_config_and_tokenizer(model_args):
-    hub_kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
+    hub_kwargs = dict(
+        cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code
+    )
     try:
         if model_args.config_name:
             config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
@@ -475,17 +956,26 @@ def load_config_and_tokenizer(model_args):
             fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
         tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
         if tokenizer_source is None:
-            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
-                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
+            fail(
+                "you are instantiating a new tokenizer from scratch, which this script does not do; "
+                "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs
+        )
     except (OSError, ValueError) as e:
         fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
     if config.model_type not in MODEL_TYPES:
-        fail(f"config model_type {config.model_type!r} has no Flax causal-LM model; choose one of {', '.join(MODEL_TYPES)}")
+        fail(
+            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
+        )
     if config.vocab_size < len(tokenizer):
-        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
-             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+        fail(
+            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
+        )
     check_attention_heads(config)
+    fit_objective(config, tokenizer, tokenizer_source)
     return config, tokenizer
 
 
@@ -493,27 +983,11 @@ def check_attention_heads(config):
     """Each attention head takes an equal slice of the hidden size (T5 sizes its heads by d_kv instead)."""
     for heads in ("num_attention_heads", "decoder_attention_heads"):
         if config.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
-            fail(f"the config's hidden size {config.hidden_size} is not divisible by its {getattr(config, heads)} attention heads "
-                 f"({heads}); fix the config (tokenizers/create_config.py --config_overrides)")
+            fail(
+                f"the config's hidden size {config.hidden_size} is not divisible by its {getattr(config, heads)} attention heads "
+                f"({heads}); fix the config (tokenizers/create_config.py --config_overrides)"
+            )
 
-
-def resolve_max_seq_length(data_args, config, tokenizer):
-    """The block size: --block_size, else the tokenizer's limit; the model's positions bound it."""
-    model_positions = getattr(config, "max_position_embeddings", None)
-    if model_positions is not None and config.model_type in OFFSET_POSITION_MODELS:
-        model_positions -= (config.pad_token_id or 0) + 1
-    if data_args.block_size is None:
-        block_size = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
-    else:
-        if data_args.block_size > tokenizer.model_max_length:
-            logger.warning(f"--block_size {data_args.block_size} is larger than the tokenizer's maximum "
-                           f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}.")
-        block_size = min(data_args.block_size, tokenizer.model_max_length)
-    if model_positions is not None and block_size > model_positions:
-        fail(f"--block_size {block_size} is longer than the model's {model_positions} positions")
-    if block_size <= 1:
-        fail(f"--block_size must be at least 2, got {block_size}")
-    return block_size
 
 @dataclass
 class TrainingPlan:
@@ -543,26 +1017,38 @@ class TrainingPlan:
 
 
 def plan_training(training_args, dataset, max_seq_length):
-    plan = TrainingPlan(jax.device_count(), jax.local_device_count(), jax.process_index(), training_args.per_device_train_batch_size,
-                        training_args.per_device_eval_batch_size, training_args.gradient_accumulation_steps)
+    plan = TrainingPlan(
+        jax.device_count(),
+        jax.local_device_count(),
+        jax.process_index(),
+        training_args.per_device_train_batch_size,
+        training_args.per_device_eval_batch_size,
+        training_args.gradient_accumulation_steps,
+    )
     if training_args.do_train:
         plan.num_train_examples = len(dataset["train"])
         plan.steps_per_epoch = plan.num_train_examples // plan.train_batch_size
         if plan.steps_per_epoch == 0:
-            fail(f"the train set has {plan.num_train_examples} blocks of up to {max_seq_length} tokens, fewer than one "
-                 f"global batch of {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
-                 f"devices x {plan.gradient_accumulation_steps} accumulation steps); use more text or a smaller "
-                 "--per_device_train_batch_size/--gradient_accumulation_steps/--block_size")
+            fail(
+                f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one "
+                f"global batch of {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
+                f"devices x {plan.gradient_accumulation_steps} accumulation steps); use more text or a smaller "
+                f"--per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
+            )
         if training_args.max_steps > 0:
             plan.total_steps = training_args.max_steps
         else:
             plan.total_steps = int(plan.steps_per_epoch * training_args.num_train_epochs)
         if plan.total_steps <= 0:
-            fail(f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch")
+            fail(
+                f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
+            )
         if training_args.warmup_steps > plan.total_steps:
             peak = training_args.learning_rate * plan.total_steps / training_args.warmup_steps
-            logger.warning(f"--warmup_steps {training_args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
-                           f"rate only reaches {peak:.3g}, not --learning_rate {training_args.learning_rate:g}")
+            logger.warning(
+                f"--warmup_steps {training_args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
+                f"rate only reaches {peak:.3g}, not --learning_rate {training_args.learning_rate:g}"
+            )
     if training_args.do_eval and len(dataset["validation"]) == 0:
         fail("the validation set is empty after tokenization; give a longer --validation_file")
     return plan
@@ -570,8 +1056,12 @@ def plan_training(training_args, dataset, max_seq_length):
 
 def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
     """Linear warm-up from 0 to learning_rate, then linear decay to 0 at num_train_steps."""
-    warmup_fn = optax.linear_schedule(init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1))
-    decay_fn = optax.linear_schedule(init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1))
+    warmup_fn = optax.linear_schedule(
+        init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1)
+    )
+    decay_fn = optax.linear_schedule(
+        init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1)
+    )
     return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
 
 
@@ -586,39 +1076,23 @@ def decay_mask_fn(params):
     return traverse_util.unflatten_dict(flat_mask)
 
 
-def build_train_state(model_args, training_args, config, plan, abstract=False):
-    """The model and its train state (parameters, optimizer state, step) on the host, with the learning-rate
-    schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into.
-    --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is
-    upstream's model dtype."""
-    dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
-    # _do_init=False: the model object keeps no copy of the weights beside the train state's (at
-    # roberta-base size that copy cost ~0.35 GB of peak memory, measured with benchmarks/run_benchmark.py).
-    if model_args.model_name_or_path and not abstract:
-        try:
-            model, params = FlaxAutoModelForCausalLM.from_pretrained(
-                model_args.model_name_or_path, config=config, seed=training_args.seed, dtype=dtype, _do_init=False,
-                cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
-            fail(f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                 "is its weights file complete?")
-    else:
-        model = FlaxAutoModelForCausalLM.from_config(config, seed=training_args.seed, dtype=dtype, _do_init=False,
-                                                     trust_remote_code=model_args.trust_remote_code)
-        init = functools.partial(model.init_weights, model.key, model.input_shape)
-        params = jax.eval_shape(init) if abstract else init()
-    if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    schedule = create_learning_rate_fn(max(plan.total_steps, 1), training_args.warmup_steps, training_args.learning_rate)
-    if training_args.adafactor:
-        # Upstream's choice: Adafactor with the same schedule, no decay mask.
-        optimizer = optax.adafactor(learning_rate=schedule)
-    else:
-        optimizer = optax.adamw(learning_rate=schedule, b1=training_args.adam_beta1, b2=training_args.adam_beta2,
-                                eps=training_args.adam_epsilon, weight_decay=training_args.weight_decay, mask=decay_mask_fn)
-    create = functools.partial(train_state.TrainState.create, apply_fn=model.__call__, tx=optimizer)
-    state = jax.eval_shape(create, params=params) if abstract else create(params=params)
-    return model, state, schedule
+def token_sums(logits, labels, mask):
+    """Summed cross-entropy and correct predictions where `mask` is set, each with the count of those tokens."""
+    logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0)) * mask
+    accuracy = (jnp.argmax(logits, axis=-1) == labels) * mask
+    return {"loss": (loss.sum(), mask.sum()), "accuracy": (accuracy.sum(), mask.sum())}
+
+
+def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
+    """The model's logits, under the given flax method interceptors and, with --dtype bfloat16, bf16_dense. Dropout is
+    switched on the way the model's __call__ takes it: `train`, or `deterministic` (OPT)."""
+    takes_train = "train" in inspect.signature(model.__call__).parameters
+    dropout = {"train": train} if takes_train else {"deterministic": not train}
+    with contextlib.ExitStack() as stack:
+        for interceptor in [*interceptors, *([bf16_dense] if bf16 else [])]:
+            stack.enter_context(nn.intercept_methods(interceptor))
+        return model(**batch, params=params, dropout_rng=dropout_rng, **dropout)[0]
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
@@ -629,6 +1103,7 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
 # activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
 # bf16-rounded operands into f32 accumulators. A CPU without bf16 instructions (AVX2 only) computes even
 # those in f32, so there bf16 only adds conversions: the script warns, and float32 is the faster choice.
+
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
@@ -642,8 +1117,17 @@ def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
-               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    support = (
+        "AMX-BF16"
+        if "amx_bf16" in flags
+        else "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "unknown"
+        if not flags
+        else f"none, {widest} only"
+        if widest
+        else "none"
+    )
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
@@ -658,13 +1142,16 @@ def warn_if_bf16_is_slow(flag, value):
         return
     model, support = cpu_bf16()
     if support.startswith("none"):
-        logger.warning(f"{flag} bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; XLA computes bf16 "
-                       "products in f32 here, so float32 is as fast or faster. Going on as asked.")
+        logger.warning(
+            f"{flag} bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; XLA computes bf16 "
+            "products in f32 here, so float32 is as fast or faster. Going on as asked."
+        )
 
 
 def bf16_dot(a, b, contracting):
-    return lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contracting, ((), ())), preferred_element_type=jnp.float32
+    )
 
 
 @jax.custom_vjp
@@ -698,15 +1185,19 @@ def transposes_pay(tokens, kernel_shape):
     CPU for up to 1,024 tokens and layer widths of 512-4,096 (2-2.7x at 768, benchmarks/README.md). Beyond
     that, XLA:CPU's transposes can cost more than they save; a CPU without bf16 instructions computes the product
     in f32 either way; other backends take transposed operands as they are."""
-    return (jax.default_backend() == "cpu" and tokens <= 1024 and all(512 <= n <= 4096 for n in kernel_shape)
-            and not cpu_bf16()[1].startswith("none"))
+    return (
+        jax.default_backend() == "cpu"
+        and tokens <= 1024
+        and all(512 <= n <= 4096 for n in kernel_shape)
+        and not cpu_bf16()[1].startswith("none")
+    )
 
 
 def written_out_transpose(a):
     """a.T of a 2-D bf16 array as a new row-major array. XLA folds a plain transpose, even one behind an
     optimization barrier, into the product that reads it (which then runs in f32 on CPU); one padded and
     sliced back is written out."""
-    return jnp.pad(a.T, ((0, 0), (0, 1)))[:, :a.shape[0]]
+    return jnp.pad(a.T, ((0, 0), (0, 1)))[:, : a.shape[0]]
 
 
 bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
@@ -756,76 +1247,15 @@ def release_compiler_memory():
     jax.monitoring.register_event_duration_secs_listener(after_compile)
 
 
-def model_logits(apply_fn, batch, params, bf16, **kwargs):
-    """The model's logits, with --dtype bfloat16 under bf16_dense."""
-    with nn.intercept_methods(bf16_dense) if bf16 else contextlib.nullcontext():
-        return apply_fn(**batch, params=params, **kwargs)[0]
+# --- the loop's bookkeeping and logs -----------------------------------------------------------------------------
 
-
-# --- steps -----------------------------------------------------------------------------------------------------
-
-SCORED_TOKENS = "predicted_tokens"  # what the loss is averaged over, in the results' key names
-
-
-def clm_sums(logits, input_ids, attention_mask):
-    """Summed next-token cross-entropy and correct predictions, and the number of predicted tokens:
-    position t predicts token t + 1 wherever both are real (not padding)."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    labels = input_ids[:, 1:]
-    mask = attention_mask[:, 1:] * attention_mask[:, :-1]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask
-    accuracy = (jnp.argmax(logits, axis=-1) == labels) * mask
-    return loss.sum(), accuracy.sum(), mask.sum()
-
-def make_train_step(model, config, schedule, bf16, seed):
-    """The train step, compiled once for all local devices. Its batch holds one row of micro-batches per
-    device (--gradient_accumulation_steps); the update follows the summed loss over every micro-batch
-    of every device, divided by the number of predicted tokens in the whole global batch ("the true
-    loss"), which is what one batch of that size gives."""
-    base_key = jax.random.PRNGKey(seed)
-
-    def loss_fn(params, batch, dropout_rng):
-        logits = model_logits(model.__call__, batch, params, bf16, dropout_rng=dropout_rng, train=True)
-        loss, _, count = clm_sums(logits, batch["input_ids"], batch["attention_mask"])
-        return loss, count
-
-    grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=save_all_but_transcendentals), has_aux=True)
-
-    def train_step(state, batch):
-        # Dropout keys from (seed, step, device, micro-batch): a resumed run draws what an uninterrupted one drew.
-        step_key = jax.random.fold_in(jax.random.fold_in(base_key, state.step), lax.axis_index("batch"))
-
-        def micro_step(totals, micro):
-            index, micro_batch = micro
-            (loss, count), grad = grad_fn(state.params, micro_batch, jax.random.fold_in(step_key, index))
-            return jax.tree_util.tree_map(jnp.add, totals, (loss, count, grad)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jax.tree_util.tree_map(jnp.zeros_like, state.params))
-        micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        (loss, count, grad), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
-        count = jnp.maximum(lax.psum(count, "batch"), 1)
-        grad = jax.tree_util.tree_map(lambda g: lax.psum(g, "batch") / count, grad)
-        metrics = {"loss": lax.psum(loss, "batch") / count, "learning_rate": schedule(state.step), "grad_norm": optax.global_norm(grad)}
-        return state.apply_gradients(grads=grad), metrics
-
-    return jax.pmap(train_step, "batch", donate_argnums=(0,))
-
-
-def make_eval_step(model, config, bf16):
-    def eval_step(params, batch):
-        logits = model_logits(model.__call__, batch, params, bf16, train=False)
-        loss, accuracy, count = clm_sums(logits, batch["input_ids"], batch["attention_mask"])
-        return lax.psum({"loss": loss, "accuracy": accuracy, "count": count}, "batch")
-
-    return jax.pmap(eval_step, "batch")
-
-
-# --- loop ------------------------------------------------------------------------------------------------------
 
 def replicate(tree, local_devices):
     """One copy per local device, placed by a pmap so that it carries the train step's own sharding
     (placed otherwise, the step compiles a second time)."""
-    return jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (local_devices, *np.shape(x))), tree))
+    return jax.pmap(lambda x: x, "batch")(
+        jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (local_devices, *np.shape(x))), tree)
+    )
 
 
 def unreplicate(tree):
@@ -851,13 +1281,91 @@ class TrainingProgress:
     epoch: int = 0
     batch_in_epoch: int = 0  # the next batch of `epoch` to train on
     log_window: list = field(default_factory=list)  # losses of the steps since the last log line
-    last_checkpoint: Optional[str] = None
+    last_checkpoint: str | None = None
+
+
+@dataclass
+class Loop:
+    """The training loop's own bookkeeping, not saved in checkpoints: metrics not yet fetched, the log window, the
+    run's losses and tokens, the first step's FLOPs and the last evaluation."""
+
+    first_step: int
+    started: float = field(default_factory=time.perf_counter)
+    pending: list = field(default_factory=list)
+    window: Any = field(default_factory=lambda: Window())
+    losses: list = field(default_factory=list)
+    tokens: int = 0
+    flops: float | None = None
+    compiled: bool = False
+    shapes: list = field(default_factory=list)  # the batch shapes the step was compiled for
+    last_eval: tuple | None = None
+
+
+def log_training_start(plan, progress):
+    logger.info(
+        f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
+        f"  Global batch size = {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
+        f"devices x {plan.gradient_accumulation_steps} accumulation steps)\n  Total optimization steps = {plan.total_steps}"
+        + (
+            f"\n  Resuming at step {progress.global_step} from {progress.last_checkpoint}"
+            if progress.global_step
+            else ""
+        )
+    )
+
+
+def timed_step(train_step, state, batch, loop):
+    """One train step. The first also counts the step's FLOPs and logs its time, compilation included; the log
+    window's timing starts after it. A batch of new shapes later on compiles the step again: that is logged."""
+    shapes = {name: value.shape for name, value in batch.items()}
+    if shapes not in loop.shapes:
+        loop.shapes.append(shapes)
+        if loop.compiled:
+            changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
+            logger.info(f"the train step compiles again, for new batch shapes: {changed}")
+    if loop.compiled:
+        return train_step(state, batch)
+    loop.flops = step_flops(train_step, state, batch)
+    compile_start = time.perf_counter()
+    state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    logger.info(f"First step (compilation included): {time.perf_counter() - compile_start:.1f} s")
+    loop.window.reset()
+    loop.compiled = True
+    return state, metrics
+
+
+def train_summary(plan, progress, loop):
+    """The Trainer's train metrics of this process's steps."""
+    runtime, steps = time.perf_counter() - loop.started, progress.global_step - loop.first_step
+    flops = loop.flops
+    metrics = {
+        "train_loss": float(np.mean(loop.losses)) if loop.losses else float("nan"),
+        "train_runtime": runtime,
+        "train_samples_per_second": steps * plan.train_batch_size / runtime,
+        "train_steps_per_second": steps / runtime,
+        "train_tokens_per_second": loop.tokens / runtime,
+        "epoch": progress.global_step / plan.steps_per_epoch,
+        "global_step": progress.global_step,
+        "train_samples": plan.num_train_examples,
+        "global_batch_size": plan.train_batch_size,
+        "num_devices": plan.num_devices,
+        "total_flos": flops * plan.num_devices * steps if flops else None,
+    }
+    logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
+    return metrics
 
 
 def stop_diverged(step, what, progress):
-    last = f"the last good checkpoint is {progress.last_checkpoint}" if progress.last_checkpoint else "no checkpoint was written"
-    fail(f"step {step}: {what}; training stopped and nothing from this step on was saved; {last}. Lower --learning_rate or "
-         "raise --warmup_steps, then resume with --resume_from_checkpoint")
+    last = (
+        f"the last good checkpoint is {progress.last_checkpoint}"
+        if progress.last_checkpoint
+        else "no checkpoint was written"
+    )
+    fail(
+        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last}. Lower --learning_rate or "
+        "raise --warmup_steps, then resume with --resume_from_checkpoint"
+    )
 
 
 def fetch_metrics(pending, progress):
@@ -867,7 +1375,9 @@ def fetch_metrics(pending, progress):
     for step, metrics in pending:
         metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            stop_diverged(step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress)
+            stop_diverged(
+                step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
+            )
         fetched.append(metrics)
     pending.clear()
     progress.log_window.extend(m["loss"] for m in fetched)
@@ -898,10 +1408,16 @@ def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, w
     """One line and TensorBoard scalars: the mean loss since the last line, and the throughput of the steps
     timed since then (none when the only one was the first, which compiles)."""
     loss, progress.log_window = float(np.mean(progress.log_window)), []
-    scalars = {"loss": loss, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"],
-               "epoch": progress.global_step / plan.steps_per_epoch}
-    line = (f"Step {progress.global_step}/{plan.total_steps} (epoch {scalars['epoch']:.2f}) | loss {loss:.4f} | lr {metrics['learning_rate']:.3e} "
-            f"| grad norm {metrics['grad_norm']:.3f}")
+    scalars = {
+        "loss": loss,
+        "learning_rate": metrics["learning_rate"],
+        "grad_norm": metrics["grad_norm"],
+        "epoch": progress.global_step / plan.steps_per_epoch,
+    }
+    line = (
+        f"Step {progress.global_step}/{plan.total_steps} (epoch {scalars['epoch']:.2f}) | loss {loss:.4f} | lr {metrics['learning_rate']:.3e} "
+        f"| grad norm {metrics['grad_norm']:.3f}"
+    )
     if window.steps:
         seconds = window.seconds / window.steps
         scalars.update(tokens_per_second=window.tokens / window.seconds, seconds_per_step=seconds)
@@ -921,11 +1437,15 @@ def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, w
 
 
 def log_eval(metrics, step, writer):
-    logger.info(f"Step {step}: eval loss {metrics['eval_loss']:.4f}, accuracy {metrics['eval_accuracy']:.4f}, "
-                f"perplexity {metrics['eval_perplexity']:.2f}")
+    """One line and TensorBoard scalars: the objective's means and the perplexity."""
+    bookkeeping = {
+        f"eval_{name}" for name in (SCORED_TOKENS, "samples", "runtime", "samples_per_second", "steps_per_second")
+    }
+    scalars = {name[len("eval_") :]: value for name, value in metrics.items() if name not in bookkeeping}
+    logger.info(f"Step {step}: " + ", ".join(f"eval {name} {value:.4f}" for name, value in scalars.items()))
     if writer is not None:
-        for name in ("loss", "accuracy", "perplexity"):
-            writer.add_scalar(f"eval/{name}", metrics[f"eval_{name}"], step)
+        for name, value in scalars.items():
+            writer.add_scalar(f"eval/{name}", value, step)
 
 
 def step_flops(train_step, state, batch):
@@ -936,81 +1456,8 @@ def step_flops(train_step, state, batch):
         return None
 
 
-def train(state, train_step, dataset, make_batch, plan, training_args, progress, evaluate_fn, save_fn, writer):
-    """Train the replicated `state` from `progress` to plan.total_steps, logging, evaluating and checkpointing on
-    the way. Returns the parameters, the Trainer's train metrics and the last evaluation as (step, metrics)."""
-    logger.info(f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
-                f"  Global batch size = {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
-                f"devices x {plan.gradient_accumulation_steps} accumulation steps)\n  Total optimization steps = {plan.total_steps}"
-                + (f"\n  Resuming at step {progress.global_step} from {progress.last_checkpoint}" if progress.global_step else ""))
-    first_step, started, pending, window, losses, tokens, flops, last_eval = progress.global_step, time.perf_counter(), [], Window(), [], 0, None, None
-    # A context manager: the bar is closed before an error line, which then stands alone at the end.
-    with tqdm(total=plan.total_steps, initial=first_step, desc="Training", disable=plan.process_index != 0, dynamic_ncols=True) as bar:
-        for epoch in range(progress.epoch, plan.num_epochs):
-            batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, training_args.seed, epoch)
-            for index in range(progress.batch_in_epoch, len(batches)):
-                if progress.global_step >= plan.total_steps:
-                    break
-                rows = np.sort(batches[index])
-                batch = make_batch(dataset[rows], (training_args.seed, epoch), rows, len(rows))
-                window.tokens, window.steps = window.tokens + batch["input_ids"].size, window.steps + 1
-                tokens += batch["input_ids"].size
-                batch = device_batch(batch, plan, plan.gradient_accumulation_steps)
-                if progress.global_step == first_step:
-                    flops = step_flops(train_step, state, batch)
-                    compile_start = time.perf_counter()
-                    state, metrics = train_step(state, batch)
-                    jax.block_until_ready(metrics)
-                    logger.info(f"First step (compilation included): {time.perf_counter() - compile_start:.1f} s")
-                    window.reset()
-                else:
-                    state, metrics = train_step(state, batch)
-                progress.global_step += 1
-                progress.epoch, progress.batch_in_epoch = (epoch, index + 1) if index + 1 < len(batches) else (epoch + 1, 0)
-                pending.append((progress.global_step, metrics))
-                bar.update(1)
-                step, last = progress.global_step, progress.global_step == plan.total_steps
-                if step % training_args.logging_steps == 0 or last:
-                    fetched = fetch_metrics(pending, progress)
-                    losses.extend(m["loss"] for m in fetched)
-                    log_training(progress, fetched[-1], plan, window, flops and flops * plan.num_devices, training_args.peak_tflops, writer)
-                due = step % training_args.eval_steps == 0 if training_args.eval_steps else index == len(batches) - 1 or last
-                if evaluate_fn is not None and due:
-                    with window.paused():
-                        last_eval = (step, evaluate_fn(state.params))
-                    log_eval(last_eval[1], step, writer)
-                if step % training_args.save_steps == 0 or last:
-                    with window.paused():
-                        losses.extend(m["loss"] for m in fetch_metrics(pending, progress))
-                        progress.last_checkpoint = save_fn(state, progress)
-    runtime, steps = time.perf_counter() - started, progress.global_step - first_step
-    metrics = {"train_loss": float(np.mean(losses)) if losses else float("nan"), "train_runtime": runtime,
-               "train_samples_per_second": steps * plan.train_batch_size / runtime, "train_steps_per_second": steps / runtime,
-               "train_tokens_per_second": tokens / runtime, "epoch": progress.global_step / plan.steps_per_epoch,
-               "global_step": progress.global_step, "train_samples": plan.num_train_examples, "global_batch_size": plan.train_batch_size,
-               "num_devices": plan.num_devices, "total_flos": flops * plan.num_devices * steps if flops else None}
-    logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
-    return state.params, metrics, last_eval
+# --- checkpoints and results -------------------------------------------------------------------------------------
 
-
-def evaluate(params, eval_step, dataset, make_batch, plan, seed):
-    """Loss, next-token accuracy and perplexity over every example of `dataset` (the padded rows of the last
-    batch carry no loss)."""
-    started, sums = time.perf_counter(), {"loss": 0.0, "accuracy": 0.0, "count": 0.0}
-    batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
-    for rows in tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0):
-        batch = make_batch(dataset[rows], (seed,), rows, plan.eval_batch_size)
-        metrics = unreplicate(eval_step(params, device_batch(batch, plan)))
-        for k in sums:
-            sums[k] += float(metrics[k])
-    runtime, count = time.perf_counter() - started, max(sums["count"], 1.0)
-    loss = sums["loss"] / count
-    return {"eval_loss": loss, "eval_accuracy": sums["accuracy"] / count, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
-            f"eval_{SCORED_TOKENS}": int(sums["count"]), "eval_samples": len(dataset), "eval_runtime": runtime,
-            "eval_samples_per_second": len(dataset) / runtime, "eval_steps_per_second": len(batches) / runtime}
-
-
-# --- durability and results ------------------------------------------------------------------------------------
 
 def list_checkpoints(output_dir):
     """(complete, incomplete) checkpoints in output_dir: complete ones as (step, path), oldest first. Orbax writes
@@ -1036,21 +1483,29 @@ def find_checkpoint(training_args):
         if not training_args.do_train:
             fail("--resume_from_checkpoint needs --do_train")
         if resume.lower() != "true":
-            if not (os.path.isdir(os.path.join(resume, "trainer_state")) and ocp.utils.is_checkpoint_finalized(resume)):
+            if not (
+                os.path.isdir(os.path.join(resume, "trainer_state")) and ocp.utils.is_checkpoint_finalized(resume)
+            ):
                 fail(f"--resume_from_checkpoint {resume} is not a complete checkpoint-N folder written by this script")
             return resume
         if not complete:
-            fail(f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh")
+            fail(
+                f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
+            )
         return complete[-1][1]
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
         if complete:
-            fail(f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
-                 "or --overwrite_output_dir to start afresh")
+            fail(
+                f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
+                "or --overwrite_output_dir to start afresh"
+            )
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     if os.path.exists(os.path.join(output_dir, "eval_results.json")):
-        fail(f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir")
+        fail(
+            f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir"
+        )
     return None
 
 
@@ -1059,7 +1514,11 @@ def clear_checkpoints(output_dir, fresh_start):
     (--overwrite_output_dir), the earlier run's checkpoints too, so that no later resume can pick one."""
     complete, incomplete = list_checkpoints(output_dir)
     for path in incomplete + ([path for _, path in complete] if fresh_start else []):
-        logger.warning(f"removing {path} (incomplete)" if path in incomplete else f"--overwrite_output_dir: removing {path} of an earlier run")
+        logger.warning(
+            f"removing {path} (incomplete)"
+            if path in incomplete
+            else f"--overwrite_output_dir: removing {path} of an earlier run"
+        )
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -1076,72 +1535,121 @@ def save_pretrained(model, params, tokenizer, output_dir):
 
 def checkpoint_handler():
     """A checkpoint-N folder holds two Orbax items: the train state and the training progress (JSON)."""
-    return ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler(), trainer_state=ocp.JsonCheckpointHandler())
+    return ocp.CompositeCheckpointHandler(
+        state=ocp.StandardCheckpointHandler(), trainer_state=ocp.JsonCheckpointHandler()
+    )
 
 
-def save_checkpoint(state, progress, output_dir, model, tokenizer, save_total_limit, hub, plan, seed):
+def save_checkpoint(state, progress, run):
     """checkpoint-{step}: the train state and the data position as one Orbax checkpoint, written into a temporary
     folder and renamed when complete; then the model in from_pretrained form in output_dir, the oldest
     checkpoints beyond --save_total_limit removed, and the hub repository updated. Returns its path."""
+    output_dir, plan, seed = run.args.output_dir, run.plan, run.args.seed
     host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
     if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
         stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
     path = os.path.join(output_dir, f"checkpoint-{progress.global_step}")
-    last = f"the last complete checkpoint, {progress.last_checkpoint}, is intact" if progress.last_checkpoint else "no checkpoint is complete"
+    last = (
+        f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
+        if progress.last_checkpoint
+        else "no checkpoint is complete"
+    )
     # The checkpoint and the from_pretrained copy of the weights; checked first, because Orbax's writer threads do
     # not stop cleanly on a full disk.
-    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state)) + sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state["params"]))
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state)) + sum(
+        x.nbytes for x in jax.tree_util.tree_leaves(host_state["params"])
+    )
     free = shutil.disk_usage(output_dir).free
     if free < 1.1 * needed + (1 << 20):
-        fail(f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
-             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint")
-    trainer_state = {**{k: v for k, v in vars(progress).items() if k != "last_checkpoint"}, "seed": seed,
-                     "train_batch_size": plan.train_batch_size, "num_devices": plan.num_devices}
+        fail(
+            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
+            "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
+        )
+    trainer_state = {
+        **{k: v for k, v in vars(progress).items() if k != "last_checkpoint"},
+        "seed": seed,
+        "train_batch_size": plan.train_batch_size,
+        "num_devices": plan.num_devices,
+        "objective": run.objective,
+    }
     try:
         with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-            checkpointer.save(os.path.abspath(path), args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
-                                                            trainer_state=ocp.args.JsonSave(trainer_state)), force=True)
+            checkpointer.save(
+                os.path.abspath(path),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
+                ),
+                force=True,
+            )
         if jax.process_index() == 0:
-            save_pretrained(model, host_state["params"], tokenizer, output_dir)
-    except (OSError, ValueError) as e:  # a full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError
+            save_pretrained(run.model, host_state["params"], run.tokenizer, output_dir)
+    # A full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError.
+    except (OSError, ValueError) as e:
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
         fail(f"cannot write {path}: {str(e).splitlines()[0]}; {last}. {advice} with --resume_from_checkpoint")
     if jax.process_index() == 0:
-        for _, old in list_checkpoints(output_dir)[0][: -save_total_limit if save_total_limit else 0]:
+        for _, old in list_checkpoints(output_dir)[0][
+            : -run.args.save_total_limit if run.args.save_total_limit else 0
+        ]:
             shutil.rmtree(old, ignore_errors=True)
-        if hub is not None:
-            api, repo_id, token = hub
-            api.upload_folder(commit_message=f"Saving weights and logs of step {progress.global_step}", folder_path=output_dir,
-                              repo_id=repo_id, repo_type="model", token=token)
+        if run.hub is not None:
+            api, repo_id, token = run.hub
+            api.upload_folder(
+                commit_message=f"Saving weights and logs of step {progress.global_step}",
+                folder_path=output_dir,
+                repo_id=repo_id,
+                repo_type="model",
+                token=token,
+            )
     return path
 
 
-def restore_checkpoint(path, abstract_state, plan, seed):
+def restore_checkpoint(path, abstract_state, plan, seed, objective):
     """The train state and training progress saved in `path`, checked against this run: the same model shapes,
-    global batch and seed (the data order depends on both)."""
+    global batch and seed (the data order depends on both); other objective settings only get a warning (they may
+    be changed on purpose)."""
     path = os.path.abspath(path)  # Orbax takes absolute paths only
     with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-        stored = dict(jax.tree_util.tree_flatten_with_path(checkpointer.metadata(path).item_metadata["state"]["params"])[0])
+        stored = dict(
+            jax.tree_util.tree_flatten_with_path(checkpointer.metadata(path).item_metadata["state"]["params"])[0]
+        )
         for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
             if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
                 there = "missing" if key not in stored else tuple(stored[key].shape)
-                fail(f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
-                     "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir")
+                fail(
+                    f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
+                    "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
+                )
         target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
         try:
-            restored = checkpointer.restore(path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                          trainer_state=ocp.args.JsonRestore()))
+            restored = checkpointer.restore(
+                path,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore()),
+            )
         except (ValueError, KeyError) as e:
             fail(f"cannot restore {path} (written with another optimizer?): {str(e).splitlines()[0]}")
     saved = restored["trainer_state"]
     for name, here in (("train_batch_size", plan.train_batch_size), ("seed", seed)):
         if saved[name] != here:
-            fail(f"{path} was written with {name} {saved[name]} and this run has {here}; resume with the same seed and global batch "
-                 "(--per_device_train_batch_size x devices x --gradient_accumulation_steps)")
+            fail(
+                f"{path} was written with {name} {saved[name]} and this run has {here}; resume with the same seed and global batch "
+                "(--per_device_train_batch_size x devices x --gradient_accumulation_steps)"
+            )
     if saved["num_devices"] != plan.num_devices:
-        logger.warning(f"{path} was written on {saved['num_devices']} devices and this run has {plan.num_devices}: the same batches "
-                       "and updates, but dropout draws differ (they follow the device)")
-    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")}, last_checkpoint=path)
+        logger.warning(
+            f"{path} was written on {saved['num_devices']} devices and this run has {plan.num_devices}: the same batches "
+            "and updates, but dropout draws differ (they follow the device)"
+        )
+    changed = [
+        f"--{k} {v} -> {objective.get(k)}" for k, v in saved.get("objective", {}).items() if objective.get(k) != v
+    ]
+    if changed:
+        logger.warning(
+            f"{path} was written with other objective settings; going on with this run's: {', '.join(changed)}"
+        )
+    progress = TrainingProgress(
+        **{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")}, last_checkpoint=path
+    )
     return abstract_state.replace(**restored["state"]), progress
 
 
@@ -1186,78 +1694,13 @@ def open_hub_repo(training_args):
     repo_name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
     try:
         api = HfApi()
-        return api, api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id, training_args.hub_token
+        return (
+            api,
+            api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id,
+            training_args.hub_token,
+        )
     except Exception as e:  # noqa: BLE001
         fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {str(e).splitlines()[0]}")
-
-
-# --- main ------------------------------------------------------------------------------------------------------
-
-def main(argv=None):
-    model_args, data_args, training_args = parse_args(argv)
-    setup_logging(training_args)
-    validate_args(model_args, data_args, training_args)
-    checkpoint = find_checkpoint(training_args)
-    init_distributed()
-    release_compiler_memory()
-    warn_if_bf16_is_slow("--dtype", model_args.dtype)
-    lock = lock_output_dir(training_args.output_dir) if jax.process_index() == 0 else None
-    if jax.process_index() != 0:
-        datasets.utils.logging.set_verbosity_error()
-        logging.getLogger().setLevel(logging.WARNING)
-    logger.info(f"Training/evaluation parameters {training_args}")
-    set_seed(training_args.seed)
-
-    raw_datasets = load_raw_datasets(model_args, data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args)
-    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
-    dataset = preprocess(raw_datasets, data_args, tokenizer, max_seq_length)
-    plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
-    hub = open_hub_repo(training_args)
-
-    model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=checkpoint is not None)
-    progress = TrainingProgress()
-    if checkpoint is not None:
-        state, progress = restore_checkpoint(checkpoint, state, plan, training_args.seed)
-    logger.info(f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
-                f"{plan.num_devices} devices ({plan.local_devices} local), block size {max_seq_length}")
-    bf16 = model_args.dtype == "bfloat16"
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    make_batch = functools.partial(collate_batch, pad_token_id=pad_token_id)
-    evaluate_fn = None
-    if training_args.do_eval:
-        evaluate_fn = functools.partial(evaluate, eval_step=make_eval_step(model, config, bf16), dataset=dataset["validation"],
-                                        make_batch=make_batch, plan=plan, seed=training_args.seed)
-    os.makedirs(training_args.output_dir, exist_ok=True)
-    writer = open_summary_writer(training_args)
-    state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
-
-    last_eval = None
-    if training_args.do_train:
-        if jax.process_index() == 0:
-            clear_checkpoints(training_args.output_dir, fresh_start=checkpoint is None)
-        save_fn = functools.partial(save_checkpoint, output_dir=training_args.output_dir, model=model, tokenizer=tokenizer,
-                                    save_total_limit=training_args.save_total_limit, hub=hub, plan=plan, seed=training_args.seed)
-        train_step = make_train_step(model, config, schedule, bf16, training_args.seed)
-        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
-            params, train_metrics, last_eval = train(state, train_step, dataset["train"], make_batch, plan, training_args, progress,
-                                                     evaluate_fn, save_fn, writer)
-        write_results(training_args.output_dir, "train", {**train_metrics, "block_size": max_seq_length})
-    else:
-        params = state.params
-    del state
-
-    if training_args.do_eval:
-        if last_eval is None or last_eval[0] != progress.global_step:
-            last_eval = (progress.global_step, evaluate_fn(params))
-            log_eval(last_eval[1], progress.global_step, writer)
-        eval_metrics = {**last_eval[1], "epoch": progress.global_step / plan.steps_per_epoch if plan.steps_per_epoch else 0.0}
-        write_results(training_args.output_dir, "eval", eval_metrics)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
-    if writer is not None:
-        writer.close()
-    if lock is not None:
-        lock.close()
 
 
 if __name__ == "__main__":

@@ -18,17 +18,24 @@ Use it from Python, or through `tokenizers/train_tokenizer.py --tokenizer_type u
 """
 
 import json
-from typing import Iterator, List, Union
+from collections.abc import Iterator
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.implementations.base_tokenizer import BaseTokenizer
 from tokenizers.models import Unigram
 from tokenizers.processors import TemplateProcessing
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+
 
 class SentencePieceUnigramTokenizer(BaseTokenizer):
-    def __init__(self, replacement: str = "▁", add_prefix_space: bool = True, unk_token: Union[str, AddedToken] = "<unk>",
-                 eos_token: Union[str, AddedToken] = "</s>", pad_token: Union[str, AddedToken] = "<pad>"):
+    def __init__(
+        self,
+        replacement: str = "▁",
+        add_prefix_space: bool = True,
+        unk_token: str | AddedToken = "<unk>",
+        eos_token: str | AddedToken = "</s>",
+        pad_token: str | AddedToken = "<pad>",
+    ):
         self.special_tokens = {
             "pad": {"id": 0, "token": pad_token},
             "eos": {"id": 1, "token": eos_token},
@@ -55,21 +62,34 @@ class SentencePieceUnigramTokenizer(BaseTokenizer):
             single=f"$A {self.special_tokens['eos']['token']}",
             special_tokens=[(self.special_tokens["eos"]["token"], self.special_tokens["eos"]["id"])],
         )
-        parameters = {"model": "SentencePieceUnigram", "replacement": replacement, "add_prefix_space": add_prefix_space}
+        parameters = {
+            "model": "SentencePieceUnigram",
+            "replacement": replacement,
+            "add_prefix_space": add_prefix_space,
+        }
         super().__init__(tokenizer, parameters)
 
-    def train(self, files: Union[str, List[str]], vocab_size: int = 8000, show_progress: bool = True):
+    def train(self, files: str | list[str], vocab_size: int = 8000, show_progress: bool = True):
         """Train the model using the given files"""
-        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=self.special_tokens_list, show_progress=show_progress)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size, special_tokens=self.special_tokens_list, show_progress=show_progress
+        )
         if isinstance(files, str):
             files = [files]
         self._tokenizer.train(files, trainer=trainer)
         self.add_unk_id()
 
-    def train_from_iterator(self, iterator: Union[Iterator[str], Iterator[Iterator[str]]], vocab_size: int = 8000,
-                            show_progress: bool = True, length=None):
+    def train_from_iterator(
+        self,
+        iterator: Iterator[str] | Iterator[Iterator[str]],
+        vocab_size: int = 8000,
+        show_progress: bool = True,
+        length=None,
+    ):
         """Train the model using the given iterator"""
-        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=self.special_tokens_list, show_progress=show_progress)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size, special_tokens=self.special_tokens_list, show_progress=show_progress
+        )
         self._tokenizer.train_from_iterator(iterator, trainer=trainer, length=length)
         self.add_unk_id()
 

@@ -29,6 +29,7 @@ import atexit
 import codecs
 import difflib
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -39,17 +40,15 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional
 
 # Only PyTorch is used: keep transformers from importing TensorFlow and JAX (several seconds).
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_FLAX", "0")
 
+import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-import datasets
 import transformers
 from datasets import load_dataset
 from transformers import (
@@ -78,35 +77,120 @@ OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta", "cam
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."})
-    model_type: Optional[str] = field(default=None, metadata={"help": "If training from scratch, pass a model type from the list: " + ", ".join(MODEL_TYPES)})
-    config_overrides: Optional[str] = field(default=None, metadata={"help": "Override some existing default config settings when a model is trained from scratch. Example: n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"})
-    config_name: Optional[str] = field(default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"})
-    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from huggingface.co"})
-    use_fast_tokenizer: bool = field(default=True, metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."})
-    model_revision: str = field(default="main", metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."})
-    token: str = field(default=None, metadata={"help": "The token to use as HTTP bearer authorization for remote files."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."})
-    torch_dtype: Optional[str] = field(default=None, metadata={"help": "Override the default `torch.dtype` and load the model under this dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]})
-    low_cpu_mem_usage: bool = field(default=False, metadata={"help": "Create the model as an empty shell, then materialize its parameters when the pretrained weights are loaded."})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."
+        },
+    )
+    model_type: str | None = field(
+        default=None,
+        metadata={"help": "If training from scratch, pass a model type from the list: " + ", ".join(MODEL_TYPES)},
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "Override some existing default config settings when a model is trained from scratch. Example: n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"
+        },
+    )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Pretrained tokenizer name or path if not the same as model_name"}
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where do you want to store the pretrained models downloaded from huggingface.co"},
+    )
+    use_fast_tokenizer: bool = field(
+        default=True,
+        metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."},
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
+    )
+    token: str = field(
+        default=None, metadata={"help": "The token to use as HTTP bearer authorization for remote files."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Whether to trust the execution of code from datasets/models defined on the Hub."},
+    )
+    torch_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Override the default `torch.dtype` and load the model under this dtype.",
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },
+    )
+    low_cpu_mem_usage: bool = field(
+        default=False,
+        metadata={
+            "help": "Create the model as an empty shell, then materialize its parameters when the pretrained weights are loaded."
+        },
+    )
 
 
 @dataclass
 class DataTrainingArguments:
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."})
-    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "The input training data file (a text, csv or json file)."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."})
-    overwrite_cache: bool = field(default=False, metadata={"help": "Overwrite the cached training and evaluation sets"})
-    validation_split_percentage: Optional[int] = field(default=5, metadata={"help": "The percentage of the train set used as validation set in case there's no validation split"})
-    max_seq_length: Optional[int] = field(default=None, metadata={"help": "The maximum total input sequence length after tokenization (default: the tokenizer's, capped by the model's positions)."})
-    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "The number of processes to use for the preprocessing."})
-    mlm_probability: float = field(default=0.15, metadata={"help": "Ratio of tokens to mask for masked language modeling loss"})
-    line_by_line: bool = field(default=False, metadata={"help": "Whether distinct lines of text in the dataset are to be handled as distinct sequences."})
-    pad_to_max_length: bool = field(default=False, metadata={"help": "Whether to pad all samples to `max_seq_length`. If False, will pad the samples dynamically when batching to the maximum length in the batch."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples to this value if set."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation examples to this value if set."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    train_file: str | None = field(
+        default=None, metadata={"help": "The input training data file (a text, csv or json file)."}
+    )
+    validation_file: str | None = field(
+        default=None,
+        metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."},
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Overwrite the cached training and evaluation sets"}
+    )
+    validation_split_percentage: int | None = field(
+        default=5,
+        metadata={
+            "help": "The percentage of the train set used as validation set in case there's no validation split"
+        },
+    )
+    max_seq_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The maximum total input sequence length after tokenization (default: the tokenizer's, capped by the model's positions)."
+        },
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
+    )
+    mlm_probability: float = field(
+        default=0.15, metadata={"help": "Ratio of tokens to mask for masked language modeling loss"}
+    )
+    line_by_line: bool = field(
+        default=False,
+        metadata={"help": "Whether distinct lines of text in the dataset are to be handled as distinct sequences."},
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={
+            "help": "Whether to pad all samples to `max_seq_length`. If False, will pad the samples dynamically when batching to the maximum length in the batch."
+        },
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "For debugging purposes or quicker training, truncate the number of training examples to this value if set."
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "For debugging purposes or quicker training, truncate the number of evaluation examples to this value if set."
+        },
+    )
     streaming: bool = field(default=False, metadata={"help": "Enable streaming mode (needs --max_steps)."})
 
 
@@ -134,9 +218,11 @@ def check_hub_name(flag, name):
     if name is None or os.path.exists(name):
         return
     if not hub_reachable():
-        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
-             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
-             "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache")
+        fail(
+            f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
+            "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
+            "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+        )
 
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):
@@ -151,8 +237,17 @@ def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
-               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    support = (
+        "AMX-BF16"
+        if "amx_bf16" in flags
+        else "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "unknown"
+        if not flags
+        else f"none, {widest} only"
+        if widest
+        else "none"
+    )
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
@@ -167,12 +262,16 @@ def warn_if_bf16_is_slow(training_args):
         return
     model, support = cpu_bf16()
     if support.startswith("none"):
-        logger.warning(f"--bf16: this CPU ({model}, bf16: {support}) has no bf16 instructions; PyTorch emulates bf16 "
-                       "products here, many times slower than float32. Going on as asked.")
+        logger.warning(
+            f"--bf16: this CPU ({model}, bf16: {support}) has no bf16 instructions; PyTorch emulates bf16 "
+            "products here, many times slower than float32. Going on as asked."
+        )
 
 
 def has_accelerator():
-    return torch.cuda.is_available() or is_torch_xla_available() or is_torch_mps_available() or is_torch_xpu_available()
+    return (
+        torch.cuda.is_available() or is_torch_xla_available() or is_torch_mps_available() or is_torch_xpu_available()
+    )
 
 
 def parse_args(argv=None):
@@ -192,10 +291,14 @@ def parse_args(argv=None):
         except ValueError as e:  # also malformed JSON and unknown keys
             fail(f"arguments file {argv[0]}: {str(e).splitlines()[0]}")
     else:
-        model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True
+        )
         if unknown:
             flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-            close = difflib.get_close_matches(flag, [option for action in parser._actions for option in action.option_strings], n=1)
+            close = difflib.get_close_matches(
+                flag, [option for action in parser._actions for option in action.option_strings], n=1
+            )
             fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinned memory only speeds up copies to a CUDA device
@@ -211,22 +314,31 @@ def validate_args(model_args, data_args, training_args):
     if data_args.train_file and data_args.validation_file:
         extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
         if len(extensions) > 1:
-            fail(f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}")
+            fail(
+                f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}"
+            )
     if not 0.0 < data_args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}")
     if data_args.streaming and training_args.do_train and training_args.max_steps <= 0:
         fail("--streaming needs --max_steps (a stream has no length to count epochs with)")
     if not training_args.do_train and not training_args.do_eval:
         fail("nothing to do: pass --do_train and/or --do_eval")
-    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate"):
+    for flag in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+    ):
         if getattr(training_args, flag) <= 0:
             fail(f"--{flag} must be positive, got {getattr(training_args, flag)}")
     for flag in ("weight_decay", "warmup_steps", "warmup_ratio"):
         if getattr(training_args, flag) < 0:
             fail(f"--{flag} must not be negative, got {getattr(training_args, flag)}")
     if model_args.config_overrides is not None and model_args.model_name_or_path is not None:
-        fail("--config_overrides changes the architecture of a model trained from scratch; it cannot be combined "
-             "with --model_name_or_path (pretrained weights fix the shapes)")
+        fail(
+            "--config_overrides changes the architecture of a model trained from scratch; it cannot be combined "
+            "with --model_name_or_path (pretrained weights fix the shapes)"
+        )
     for flag in ("config_name", "model_name_or_path"):
         path = getattr(model_args, flag)
         if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -237,8 +349,10 @@ def validate_args(model_args, data_args, training_args):
         fail(f"--output_dir {training_args.output_dir} exists and is not a directory")
     check_writable("--output_dir", training_args.output_dir)
     if training_args.push_to_hub and not hub_reachable():
-        fail(f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
-             f"{training_args.output_dir} later")
+        fail(
+            f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload "
+            f"{training_args.output_dir} later"
+        )
     check_hub_name("--dataset_name", data_args.dataset_name)
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
@@ -262,8 +376,10 @@ def check_data_file(flag, path):
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
-                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                     "e.g. with iconv -f latin1 -t utf-8")
+                fail(
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    "e.g. with iconv -f latin1 -t utf-8"
+                )
             line += chunk.count(newline)
     if empty:
         fail(f"{flag} {path} is empty")
@@ -287,14 +403,18 @@ def lock_output_dir(output_dir):
     of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
     so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
     if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
-        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+        atexit.register(
+            lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
+        )
     os.makedirs(output_dir, exist_ok=True)
     lock = open(os.path.join(output_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.seek(0)
-        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+        fail(
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+        )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
@@ -304,13 +424,31 @@ def lock_output_dir(output_dir):
 def check_checkpoint_config(checkpoint, config):
     """A checkpoint is resumed only into the model that wrote it: refuse one of another architecture before the
     Trainer dies of a size mismatch."""
-    saved = json.loads(open(os.path.join(checkpoint, "config.json")).read()) if os.path.isfile(os.path.join(checkpoint, "config.json")) else {}
-    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "max_position_embeddings", "type_vocab_size")
-    differing = [f"{k} {saved[k]} there, {getattr(config, k, None)} here" for k in keys if k in saved and saved[k] != getattr(config, k, None)]
+    saved = (
+        json.loads(open(os.path.join(checkpoint, "config.json")).read())
+        if os.path.isfile(os.path.join(checkpoint, "config.json"))
+        else {}
+    )
+    keys = (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "type_vocab_size",
+    )
+    differing = [
+        f"{k} {saved[k]} there, {getattr(config, k, None)} here"
+        for k in keys
+        if k in saved and saved[k] != getattr(config, k, None)
+    ]
     if differing:
-        fail(f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that wrote it, "
-             "or start afresh with --overwrite_output_dir")
+        fail(
+            f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that wrote it, "
+            "or start afresh with --overwrite_output_dir"
+        )
 
 
 def find_checkpoint(training_args):
@@ -326,23 +464,29 @@ def find_checkpoint(training_args):
         return None
     if not training_args.do_train:
         if os.path.exists(os.path.join(output_dir, "eval_results.json")):
-            fail(f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir")
+            fail(
+                f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir"
+            )
         return None
     steps = sorted(
-        (int(name[len(PREFIX_CHECKPOINT_DIR) + 1:]), name)
+        (int(name[len(PREFIX_CHECKPOINT_DIR) + 1 :]), name)
         for name in os.listdir(output_dir)
-        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1:].isdigit()
+        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1 :].isdigit()
     )
     for _step, name in reversed(steps):
         path = os.path.join(output_dir, name)
         if os.path.isfile(os.path.join(path, "trainer_state.json")):
-            logger.info(f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "
-                        "the `--output_dir` or add `--overwrite_output_dir` to train from scratch.")
+            logger.info(
+                f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "
+                "the `--output_dir` or add `--overwrite_output_dir` to train from scratch."
+            )
             return path
         logger.warning(f"{path} is incomplete (no trainer_state.json: interrupted while saving?); skipping it")
     if set(os.listdir(output_dir)) - {".lock"}:
-        fail(f"output directory {output_dir} is not empty and holds no checkpoint to resume from; "
-             "pass --overwrite_output_dir to write into it")
+        fail(
+            f"output directory {output_dir} is not empty and holds no checkpoint to resume from; "
+            "pass --overwrite_output_dir to write into it"
+        )
     return None
 
 
@@ -357,7 +501,7 @@ class DataCollatorForMaskedLM:
     tokenizer: PreTrainedTokenizerBase
     mlm_probability: float = 0.15
     seed: int = 42
-    pad_to_multiple_of: Optional[int] = None
+    pad_to_multiple_of: int | None = None
     epoch: int = 0
     evaluating: bool = False
 
@@ -377,7 +521,9 @@ class DataCollatorForMaskedLM:
             rng = np.random.default_rng([1 if self.evaluating else 0, *key])
             uniform[:, row, :length] = rng.random((3, length))
             words[row, :length] = rng.integers(0, self.tokenizer.vocab_size, size=length)
-        inputs, labels = self.mask_tokens(batch["input_ids"], special_tokens_mask, batch.get("attention_mask"), uniform, words)
+        inputs, labels = self.mask_tokens(
+            batch["input_ids"], special_tokens_mask, batch.get("attention_mask"), uniform, words
+        )
         batch["input_ids"], batch["labels"] = inputs, labels
         return {k: torch.as_tensor(np.asarray(v, dtype=np.int64)) for k, v in batch.items()}
 
@@ -416,7 +562,9 @@ class MaskedLMTrainer(Trainer):
     prediction and loss (two numbers a token, see preprocess_logits_for_metrics), so it gathers them even under
     --prediction_loss_only: eval_loss means the same with and without that flag."""
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         collator = self.data_collator
         collator.evaluating = True
         per_token = False if self.compute_metrics is not None else prediction_loss_only
@@ -436,7 +584,9 @@ def masked_lm_loss(outputs, labels, num_items_in_batch=None):
     batch (the Trainer counts them across accumulation steps and processes); in evaluation, the mean."""
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     labels = labels.to(logits.device)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum().clamp(min=1)
     return loss / num_items_in_batch
@@ -468,14 +618,22 @@ def group_texts(examples, max_seq_length):
     total_length = len(concatenated[list(examples.keys())[0]])
     if total_length >= max_seq_length:
         total_length = (total_length // max_seq_length) * max_seq_length
-    return {k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)] for k, t in concatenated.items()}
+    return {
+        k: [t[i : i + max_seq_length] for i in range(0, total_length, max_seq_length)] for k, t in concatenated.items()
+    }
 
 
 def load_raw_datasets(model_args, data_args):
     split_pct = data_args.validation_split_percentage
     common = dict(cache_dir=model_args.cache_dir, token=model_args.token, streaming=data_args.streaming)
     if data_args.dataset_name is not None:
-        load = lambda **kw: load_dataset(data_args.dataset_name, data_args.dataset_config_name, trust_remote_code=model_args.trust_remote_code, **common, **kw)  # noqa: E731
+        load = functools.partial(
+            load_dataset,
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            trust_remote_code=model_args.trust_remote_code,
+            **common,
+        )
     else:
         data_files = {}
         if data_args.train_file is not None:
@@ -484,16 +642,20 @@ def load_raw_datasets(model_args, data_args):
             data_files["validation"] = data_args.validation_file
         extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
         extension = "text" if extension == "txt" else extension
-        load = lambda **kw: load_dataset(extension, data_files=data_files, **common, **kw)  # noqa: E731
+        load = functools.partial(load_dataset, extension, data_files=data_files, **common)
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     try:
         raw = load()
         if "validation" not in raw.keys() and "train" in raw.keys():
             if data_args.streaming:
-                fail("--streaming needs a validation split: pass --validation_file (a stream cannot be split by percentage)")
+                fail(
+                    "--streaming needs a validation split: pass --validation_file (a stream cannot be split by percentage)"
+                )
             if round(len(raw["train"]) * split_pct / 100) == 0:
-                fail(f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
-                     "give --validation_file, or more text")
+                fail(
+                    f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                    "give --validation_file, or more text"
+                )
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
@@ -513,12 +675,18 @@ def text_column(raw_datasets, data_args):
         logger.warning(f"no column named 'text': taking the text from the first column, {columns[0]!r}")
         return columns[0]
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
-    fail(f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'")
+    fail(
+        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'"
+    )
 
 
 def load_config_and_tokenizer(model_args):
-    hub_kwargs = dict(cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
-                      trust_remote_code=model_args.trust_remote_code)
+    hub_kwargs = dict(
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
     try:
         if model_args.config_name:
             config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
@@ -534,21 +702,29 @@ def load_config_and_tokenizer(model_args):
             config.update_from_string(model_args.config_overrides)
         tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
         if tokenizer_source is None:
-            fail("you are instantiating a new tokenizer from scratch, which this script does not do; "
-                 "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs)
+            fail(
+                "you are instantiating a new tokenizer from scratch, which this script does not do; "
+                "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs
+        )
     except (OSError, ValueError) as e:
         fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
     if config.model_type not in MODEL_TYPES:
         fail(f"config model_type {config.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
     if config.vocab_size < len(tokenizer):
-        fail(f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
-             "rebuild the config with tokenizers/create_config.py --tokenizer_name ...")
+        fail(
+            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
+        )
     if tokenizer.mask_token is None:
         fail(f"tokenizer {tokenizer_source!r} has no mask token, which masked language modelling needs")
     if config.hidden_size % config.num_attention_heads:
-        fail(f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} attention heads; "
-             "fix the config (tokenizers/create_config.py --config_overrides)")
+        fail(
+            f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} attention heads; "
+            "fix the config (tokenizers/create_config.py --config_overrides)"
+        )
     return config, tokenizer
 
 
@@ -561,8 +737,10 @@ def resolve_max_seq_length(data_args, config, tokenizer):
         max_seq_length = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
     else:
         if data_args.max_seq_length > tokenizer.model_max_length:
-            logger.warning(f"--max_seq_length {data_args.max_seq_length} is larger than the tokenizer's maximum "
-                           f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}.")
+            logger.warning(
+                f"--max_seq_length {data_args.max_seq_length} is larger than the tokenizer's maximum "
+                f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}."
+            )
         max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
     if model_positions is not None and max_seq_length > model_positions:
         fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
@@ -575,15 +753,20 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
     """Tokenize (line by line, or concatenated and grouped into blocks) and number the examples."""
     column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features or ["text"])
     text_column_name = text_column(raw_datasets, data_args)
-    map_kwargs = {} if data_args.streaming else dict(
-        num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+    map_kwargs = (
+        {}
+        if data_args.streaming
+        else dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
+    )
 
     if data_args.line_by_line:
         padding = "max_length" if data_args.pad_to_max_length else False
 
         def tokenize_function(examples):
             examples = [line for line in examples[text_column_name] if len(line) > 0 and not line.isspace()]
-            return tokenizer(examples, return_special_tokens_mask=True, padding=padding, truncation=True, max_length=max_seq_length)
+            return tokenizer(
+                examples, return_special_tokens_mask=True, padding=padding, truncation=True, max_length=max_seq_length
+            )
 
         steps = [(tokenize_function, "Running tokenizer on dataset line_by_line", column_names)]
     else:
@@ -591,8 +774,14 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
         def tokenize_function(examples):
             return tokenizer(examples[text_column_name], return_special_tokens_mask=True)
 
-        steps = [(tokenize_function, "Running tokenizer on every text in dataset", column_names),
-                 (lambda examples: group_texts(examples, max_seq_length), f"Grouping texts in chunks of {max_seq_length}", None)]
+        steps = [
+            (tokenize_function, "Running tokenizer on every text in dataset", column_names),
+            (
+                lambda examples: group_texts(examples, max_seq_length),
+                f"Grouping texts in chunks of {max_seq_length}",
+                None,
+            ),
+        ]
     with training_args.main_process_first(desc="dataset map pre-processing"):
         for function, desc, remove in steps:
             extra = {} if data_args.streaming else dict(desc=desc, **map_kwargs)
@@ -600,16 +789,23 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
         # The example's index seeds its masks (see DataCollatorForMaskedLM).
         numbered = {}
         for split, dataset in raw_datasets.items():
-            numbered[split] = dataset.map(lambda example, i: {"example_id": i}, with_indices=True, **(
-                {} if data_args.streaming else dict(desc=f"Numbering {split} examples", **map_kwargs)))
+            numbered[split] = dataset.map(
+                lambda example, i: {"example_id": i},
+                with_indices=True,
+                **({} if data_args.streaming else dict(desc=f"Numbering {split} examples", **map_kwargs)),
+            )
     return numbered
 
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
 
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S", force=True,
-                        handlers=[logging.StreamHandler(sys.stdout)])
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        force=True,
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
     if training_args.should_log:
         transformers.utils.logging.set_verbosity_info()
     log_level = training_args.get_process_log_level()
@@ -643,21 +839,33 @@ def main(argv=None):
         check_checkpoint_config(last_checkpoint, config)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
 
-    torch_dtype = model_args.torch_dtype if model_args.torch_dtype in ("auto", None) else getattr(torch, model_args.torch_dtype)
+    torch_dtype = (
+        model_args.torch_dtype if model_args.torch_dtype in ("auto", None) else getattr(torch, model_args.torch_dtype)
+    )
     if model_args.model_name_or_path:
         try:
             model = AutoModelForMaskedLM.from_pretrained(
-                model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, revision=model_args.model_revision,
-                token=model_args.token, trust_remote_code=model_args.trust_remote_code, torch_dtype=torch_dtype,
+                model_args.model_name_or_path,
+                config=config,
+                cache_dir=model_args.cache_dir,
+                revision=model_args.model_revision,
+                token=model_args.token,
+                trust_remote_code=model_args.trust_remote_code,
+                torch_dtype=torch_dtype,
                 low_cpu_mem_usage=model_args.low_cpu_mem_usage,
             )
         except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
-            fail(f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                 "is its weights file complete?")
+            fail(
+                f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "is its weights file complete?"
+            )
     else:
         logger.info("Training new model from scratch")
-        model = AutoModelForMaskedLM.from_config(config, trust_remote_code=model_args.trust_remote_code,
-                                                 torch_dtype=None if torch_dtype == "auto" else torch_dtype)
+        model = AutoModelForMaskedLM.from_config(
+            config,
+            trust_remote_code=model_args.trust_remote_code,
+            torch_dtype=None if torch_dtype == "auto" else torch_dtype,
+        )
     # Resize only when the tokenizer has more tokens than the model (never shrink a padded vocabulary).
     embedding_size = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > embedding_size:
@@ -671,30 +879,52 @@ def main(argv=None):
         train_dataset = tokenized["train"]
         if data_args.max_train_samples is not None:
             n = data_args.max_train_samples
-            train_dataset = train_dataset.take(n) if data_args.streaming else train_dataset.select(range(min(len(train_dataset), n)))
+            train_dataset = (
+                train_dataset.take(n)
+                if data_args.streaming
+                else train_dataset.select(range(min(len(train_dataset), n)))
+            )
         if not data_args.streaming:
-            global_batch = training_args.per_device_train_batch_size * training_args.world_size * training_args.gradient_accumulation_steps
+            global_batch = (
+                training_args.per_device_train_batch_size
+                * training_args.world_size
+                * training_args.gradient_accumulation_steps
+            )
             if len(train_dataset) < global_batch:
-                fail(f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
-                     f"({global_batch}); use more data or a smaller --per_device_train_batch_size")
+                fail(
+                    f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
+                    f"({global_batch}); use more data or a smaller --per_device_train_batch_size"
+                )
             steps_per_epoch = len(train_dataset) // global_batch  # about what the Trainer counts
-            total = training_args.max_steps if training_args.max_steps > 0 else math.ceil(steps_per_epoch * training_args.num_train_epochs)
+            total = (
+                training_args.max_steps
+                if training_args.max_steps > 0
+                else math.ceil(steps_per_epoch * training_args.num_train_epochs)
+            )
             warmup = training_args.get_warmup_steps(total)
             if warmup > total:
-                logger.warning(f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
-                               f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}")
+                logger.warning(
+                    f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
+                    f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}"
+                )
     if training_args.do_eval:
         if "validation" not in tokenized:
             fail("--do_eval requires a validation dataset (--validation_file, or a train set to split)")
         eval_dataset = tokenized["validation"]
         if data_args.max_eval_samples is not None:
             n = data_args.max_eval_samples
-            eval_dataset = eval_dataset.take(n) if data_args.streaming else eval_dataset.select(range(min(len(eval_dataset), n)))
+            eval_dataset = (
+                eval_dataset.take(n) if data_args.streaming else eval_dataset.select(range(min(len(eval_dataset), n)))
+            )
 
     # Padding to a multiple of 8 helps tensor cores; only worth it when not padding to max length.
     pad_to_multiple_of_8 = data_args.line_by_line and training_args.fp16 and not data_args.pad_to_max_length
-    collator = DataCollatorForMaskedLM(tokenizer, mlm_probability=data_args.mlm_probability, seed=training_args.seed,
-                                       pad_to_multiple_of=8 if pad_to_multiple_of_8 else None)
+    collator = DataCollatorForMaskedLM(
+        tokenizer,
+        mlm_probability=data_args.mlm_probability,
+        seed=training_args.seed,
+        pad_to_multiple_of=8 if pad_to_multiple_of_8 else None,
+    )
     trainer = MaskedLMTrainer(
         model=model,
         args=training_args,
@@ -714,8 +944,13 @@ def main(argv=None):
         metrics = dict(train_result.metrics)
         if not data_args.streaming:
             metrics["train_samples"] = len(train_dataset)
-        metrics.update(world_size=training_args.world_size, global_batch_size=training_args.per_device_train_batch_size
-                       * training_args.world_size * training_args.gradient_accumulation_steps, global_step=train_result.global_step)
+        metrics.update(
+            world_size=training_args.world_size,
+            global_batch_size=training_args.per_device_train_batch_size
+            * training_args.world_size
+            * training_args.gradient_accumulation_steps,
+            global_step=train_result.global_step,
+        )
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
@@ -732,7 +967,11 @@ def main(argv=None):
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "fill-mask"}
     if data_args.dataset_name is not None:
         kwargs["dataset_tags"] = data_args.dataset_name
-        kwargs["dataset"] = data_args.dataset_name if data_args.dataset_config_name is None else f"{data_args.dataset_name} {data_args.dataset_config_name}"
+        kwargs["dataset"] = (
+            data_args.dataset_name
+            if data_args.dataset_config_name is None
+            else f"{data_args.dataset_name} {data_args.dataset_config_name}"
+        )
     if training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
     elif training_args.do_train:

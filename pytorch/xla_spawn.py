@@ -25,11 +25,22 @@ def fail(message):
 
 
 def parse_args():
-    parser = ArgumentParser(description="PyTorch/XLA distributed training launch helper: spawns one training "
-                            "process per XLA device (TPU cores; XLA:CPU with --num_cores 1).")
-    parser.add_argument("--num_cores", type=int, default=1, help="Number of XLA devices to use: 1, or all of the host's (8 on a TPU v3-8).")
-    parser.add_argument("training_script", type=str, help="The full path to the training script to be launched in "
-                        "parallel, followed by all the arguments for the training script.")
+    parser = ArgumentParser(
+        description="PyTorch/XLA distributed training launch helper: spawns one training "
+        "process per XLA device (TPU cores; XLA:CPU with --num_cores 1)."
+    )
+    parser.add_argument(
+        "--num_cores",
+        type=int,
+        default=1,
+        help="Number of XLA devices to use: 1, or all of the host's (8 on a TPU v3-8).",
+    )
+    parser.add_argument(
+        "training_script",
+        type=str,
+        help="The full path to the training script to be launched in "
+        "parallel, followed by all the arguments for the training script.",
+    )
     parser.add_argument("training_script_args", nargs=REMAINDER)
     return parser.parse_args()
 
@@ -53,14 +64,18 @@ def check_num_cores(num_cores):
         return
     kind = device_type()
     if kind == "CPU":
-        fail(f"--num_cores {num_cores} needs a TPU (or GPUs with PJRT_DEVICE=CUDA), and this machine has none: PyTorch/XLA "
-             "cannot run collectives across several XLA:CPU devices (pytorch/xla#5005). Use --num_cores 1, or "
-             f"`torchrun --nproc_per_node {num_cores} pytorch/run_mlm.py ...` for data parallel training on CPU")
+        fail(
+            f"--num_cores {num_cores} needs a TPU (or GPUs with PJRT_DEVICE=CUDA), and this machine has none: PyTorch/XLA "
+            "cannot run collectives across several XLA:CPU devices (pytorch/xla#5005). Use --num_cores 1, or "
+            f"`torchrun --nproc_per_node {num_cores} pytorch/run_mlm.py ...` for data parallel training on CPU"
+        )
     if kind == "TPU":
         available = tpu.num_available_devices()
         if num_cores != available:
-            fail(f"--num_cores {num_cores}: torch_xla spawns one process per TPU device, and this host has {available}; "
-                 f"use --num_cores 1 or --num_cores {available}")
+            fail(
+                f"--num_cores {num_cores}: torch_xla spawns one process per TPU device, and this host has {available}; "
+                f"use --num_cores 1 or --num_cores {available}"
+            )
     if kind in ("CUDA", "GPU"):
         os.environ.setdefault("GPU_NUM_DEVICES", str(num_cores))
 
@@ -70,8 +85,10 @@ def main():
     try:
         import torch_xla.distributed.xla_multiprocessing as xmp
     except ImportError:
-        fail(f"torch_xla is not installed for {sys.executable}; install it with `bash run.sh setup-xla` and run "
-             "this launcher with .venv-xla/bin/python")
+        fail(
+            f"torch_xla is not installed for {sys.executable}; install it with `bash run.sh setup-xla` and run "
+            "this launcher with .venv-xla/bin/python"
+        )
     check_num_cores(args.num_cores)
 
     script_fpath = Path(args.training_script)

@@ -23,7 +23,9 @@ def fail(message):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.error = fail  # a bad or missing flag: one line, not a usage block
-    parser.add_argument("--model_dir", required=True, help="Folder with the model and tokenizer (run_mlm.py's --output_dir).")
+    parser.add_argument(
+        "--model_dir", required=True, help="Folder with the model and tokenizer (run_mlm.py's --output_dir)."
+    )
     parser.add_argument("--top_k", type=int, default=5, help="How many predictions to print per mask.")
     parser.add_argument("--json", action="store_true", help="Print the predictions as JSON.")
     parser.add_argument("text", nargs="+", help="Text(s) containing the tokenizer's mask token, e.g. [MASK].")
@@ -32,9 +34,14 @@ def main(argv=None):
         fail(f"--top_k must be positive, got {args.top_k}")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         fail(f"--model_dir {args.model_dir} holds no model (config.json); train one with tensorflow/run_mlm.py")
-    if not any(os.path.isfile(os.path.join(args.model_dir, name)) for name in ("tf_model.h5", "model.safetensors", "pytorch_model.bin")):
-        fail(f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights (tf_model.h5, model.safetensors); for a Flax "
-             "run's output, convert it with flax/export_to_pytorch.py first")
+    if not any(
+        os.path.isfile(os.path.join(args.model_dir, name))
+        for name in ("tf_model.h5", "model.safetensors", "pytorch_model.bin")
+    ):
+        fail(
+            f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights (tf_model.h5, model.safetensors); for a Flax "
+            "run's output, convert it with flax/export_to_pytorch.py first"
+        )
 
     from transformers import AutoTokenizer, TFAutoModelForMaskedLM, pipeline
     from transformers.utils import logging
@@ -51,7 +58,18 @@ def main(argv=None):
         predictions = fill(text, top_k=args.top_k)
         # One mask gives a list of predictions; several give a list per mask.
         per_mask = predictions if predictions and isinstance(predictions[0], list) else [predictions]
-        results.append({"text": text, "masks": [[{"token": tokenizer.convert_ids_to_tokens(int(p["token"])), "score": float(p["score"])} for p in mask] for mask in per_mask]})
+        results.append(
+            {
+                "text": text,
+                "masks": [
+                    [
+                        {"token": tokenizer.convert_ids_to_tokens(int(p["token"])), "score": float(p["score"])}
+                        for p in mask
+                    ]
+                    for mask in per_mask
+                ],
+            }
+        )
     if args.json:
         print(json.dumps(results, indent=2))
         return

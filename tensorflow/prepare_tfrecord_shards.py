@@ -36,19 +36,54 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file).")
+    parser = argparse.ArgumentParser(
+        description="Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file)."
+    )
     parser.error = fail  # a bad or missing flag: one line, not a usage block
-    parser.add_argument("--dataset_name", type=str, default="wikitext", help="Name of the dataset on the hub (ignored with --train_file).")
-    parser.add_argument("--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the dataset.")
-    parser.add_argument("--trust_remote_code", action="store_true", help="Allow datasets defined on the Hub in their own modeling files.")
-    parser.add_argument("--train_file", type=str, default=None, help="A local text file (one text per line) holding the --split to prepare.")
-    parser.add_argument("--tokenizer_name_or_path", type=str, default="sayakpaul/unigram-tokenizer-wikitext", help="Tokenizer identifier or folder (tensorflow/train_unigram.py writes one).")
+    parser.add_argument(
+        "--dataset_name",
+        type=str,
+        default="wikitext",
+        help="Name of the dataset on the hub (ignored with --train_file).",
+    )
+    parser.add_argument(
+        "--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the dataset."
+    )
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="Allow datasets defined on the Hub in their own modeling files.",
+    )
+    parser.add_argument(
+        "--train_file",
+        type=str,
+        default=None,
+        help="A local text file (one text per line) holding the --split to prepare.",
+    )
+    parser.add_argument(
+        "--tokenizer_name_or_path",
+        type=str,
+        default="sayakpaul/unigram-tokenizer-wikitext",
+        help="Tokenizer identifier or folder (tensorflow/train_unigram.py writes one).",
+    )
     parser.add_argument("--shard_size", type=int, default=1000, help="Number of entries to go in a single shard.")
     parser.add_argument("--split", type=str, default="train", choices=["train", "test", "validation"])
     parser.add_argument("--limit", default=None, type=int, help="Limit the number of texts (lines) to read.")
-    parser.add_argument("--max_length", type=int, default=512, help="Maximum sequence length. For training on TPUs, it helps to have a maximum sequence length that is a multiple of 8.")
-    parser.add_argument("--output_dir", default="tf-tpu", type=str, help="Output directory where the TFRecord shards will be saved (a gs:// URL works too).")
-    parser.add_argument("--overwrite_output_dir", action="store_true", help="Replace the shards already in OUTPUT_DIR/<split>.")
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        default=512,
+        help="Maximum sequence length. For training on TPUs, it helps to have a maximum sequence length that is a multiple of 8.",
+    )
+    parser.add_argument(
+        "--output_dir",
+        default="tf-tpu",
+        type=str,
+        help="Output directory where the TFRecord shards will be saved (a gs:// URL works too).",
+    )
+    parser.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Replace the shards already in OUTPUT_DIR/<split>."
+    )
     parser.add_argument("--num_proc", type=int, default=None, help="Processes for tokenization (upstream used 4).")
     args = parser.parse_args(argv)
     for flag in ("shard_size", "max_length"):
@@ -75,8 +110,10 @@ def hub_reachable(timeout=5.0):
 
 def check_hub_name(flag, name):
     if not os.path.exists(name) and not hub_reachable():
-        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
-             "files instead (--train_file, and a tokenizer folder from tensorflow/train_unigram.py)")
+        fail(
+            f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
+            "files instead (--train_file, and a tokenizer folder from tensorflow/train_unigram.py)"
+        )
 
 
 def check_text_file(flag, path):
@@ -93,8 +130,10 @@ def check_text_file(flag, path):
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
-                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                     "e.g. with iconv -f latin1 -t utf-8")
+                fail(
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    "e.g. with iconv -f latin1 -t utf-8"
+                )
             line += chunk.count(newline)
     if empty:
         fail(f"{flag} {path} is empty: it has no non-blank line")
@@ -120,7 +159,9 @@ def load_split(args):
         dataset = datasets.load_dataset("text", data_files={args.split: args.train_file}, split=args.split)
     else:
         check_hub_name("--dataset_name", args.dataset_name)
-        dataset = datasets.load_dataset(args.dataset_name, args.dataset_config, split=args.split, trust_remote_code=args.trust_remote_code)
+        dataset = datasets.load_dataset(
+            args.dataset_name, args.dataset_config, split=args.split, trust_remote_code=args.trust_remote_code
+        )
     dataset = dataset.filter(lambda text: bool(text.strip()), input_columns=["text"], desc="Dropping blank lines")
     if args.limit is not None:
         dataset = dataset.select(range(min(len(dataset), args.limit)))
@@ -172,12 +213,25 @@ def main(argv=None):
         fail(f"{split_dir} already holds {len(old_shards)} shards; pass --overwrite_output_dir to replace them")
     dataset = load_split(args)
 
-    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True  # texts are cut into blocks below
-    tokenized = dataset.map(lambda examples: tokenizer(examples["text"]), batched=True, num_proc=args.num_proc,
-                            remove_columns=dataset.column_names, desc="Tokenizing")
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = (
+        True  # texts are cut into blocks below
+    )
+    tokenized = dataset.map(
+        lambda examples: tokenizer(examples["text"]),
+        batched=True,
+        num_proc=args.num_proc,
+        remove_columns=dataset.column_names,
+        desc="Tokenizing",
+    )
     keep = [c for c in tokenized.column_names if c in ("input_ids", "attention_mask")]
-    grouped = tokenized.select_columns(keep).map(group_texts, fn_kwargs={"max_length": args.max_length}, batched=True,
-                                                 batch_size=1000, num_proc=args.num_proc, desc=f"Grouping in blocks of {args.max_length}")
+    grouped = tokenized.select_columns(keep).map(
+        group_texts,
+        fn_kwargs={"max_length": args.max_length},
+        batched=True,
+        batch_size=1000,
+        num_proc=args.num_proc,
+        desc=f"Grouping in blocks of {args.max_length}",
+    )
     if len(grouped) == 0:
         fail(f"the {args.split} split has fewer than --max_length {args.max_length} tokens: no block to write")
 
@@ -199,7 +253,9 @@ def main(argv=None):
 
     with tf.io.gfile.GFile(os.path.join(args.output_dir, f"split-{args.split}-records-count.txt"), "w") as f:
         print(f"Total {args.split} records: {total_records}", file=f)
-    logger.info(f"{args.split}: {total_records} records of {args.max_length} tokens in {shard_count} shards under {split_dir}")
+    logger.info(
+        f"{args.split}: {total_records} records of {args.max_length} tokens in {shard_count} shards under {split_dir}"
+    )
 
 
 if __name__ == "__main__":

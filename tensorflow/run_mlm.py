@@ -56,11 +56,17 @@ os.environ.setdefault("USE_FLAX", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 import numpy as np
-import tensorflow as tf
-
 import transformers
-from transformers import AutoConfig, AutoTokenizer, DataCollatorForLanguageModeling, TFAutoModelForMaskedLM, create_optimizer
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    TFAutoModelForMaskedLM,
+    create_optimizer,
+)
 from transformers.modeling_tf_utils import keras
+
+import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 AUTO = tf.data.AUTOTUNE
@@ -75,36 +81,122 @@ def fail(message):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
     parser.error = fail  # a bad or missing flag: one line, not a usage block
-    parser.add_argument("--pretrained_model_config", type=str, default="FacebookAI/roberta-base", help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!")
-    parser.add_argument("--model_name_or_path", type=str, help="Start from these TF weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.")
-    parser.add_argument("--tokenizer", type=str, default="unigram-tokenizer-wikitext", help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.")
-    parser.add_argument("--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica).")
-    parser.add_argument("--no_tpu", action="store_true", help="Do not look for a TPU: MirroredStrategy over several devices, else OneDeviceStrategy.")
-    parser.add_argument("--tpu_name", type=str, default="local", help="Name of TPU resource to initialize. Should be blank on Colab, and 'local' on TPU VMs.")
-    parser.add_argument("--tpu_zone", type=str, help="Google cloud zone that TPU resource is located in. Only used for non-Colab TPU nodes.")
-    parser.add_argument("--gcp_project", type=str, help="Google cloud project name. Only used for non-Colab TPU nodes.")
-    parser.add_argument("--num_cpu_devices", type=int, default=1, help="Without TPU or GPU: split the CPU into this many logical devices, so MirroredStrategy runs data parallel over them.")
-    parser.add_argument("--jit_compile", action="store_true", help="Compile the train step with XLA (not under MirroredStrategy on CPU).")
-    parser.add_argument("--bfloat16", action="store_true", help="Use mixed-precision bfloat16 for training. This is the recommended lower-precision format for TPU.")
-    parser.add_argument("--train_dataset", type=str, help="Path to training dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.")
-    parser.add_argument("--shuffle_buffer_size", type=int, default=2**18, help="Size of the shuffle buffer (in samples)")
-    parser.add_argument("--eval_dataset", type=str, help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.")
+    parser.add_argument(
+        "--pretrained_model_config",
+        type=str,
+        default="FacebookAI/roberta-base",
+        help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!",
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        type=str,
+        help="Start from these TF weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=str,
+        default="unigram-tokenizer-wikitext",
+        help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.",
+    )
+    parser.add_argument(
+        "--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica)."
+    )
+    parser.add_argument(
+        "--no_tpu",
+        action="store_true",
+        help="Do not look for a TPU: MirroredStrategy over several devices, else OneDeviceStrategy.",
+    )
+    parser.add_argument(
+        "--tpu_name",
+        type=str,
+        default="local",
+        help="Name of TPU resource to initialize. Should be blank on Colab, and 'local' on TPU VMs.",
+    )
+    parser.add_argument(
+        "--tpu_zone",
+        type=str,
+        help="Google cloud zone that TPU resource is located in. Only used for non-Colab TPU nodes.",
+    )
+    parser.add_argument(
+        "--gcp_project", type=str, help="Google cloud project name. Only used for non-Colab TPU nodes."
+    )
+    parser.add_argument(
+        "--num_cpu_devices",
+        type=int,
+        default=1,
+        help="Without TPU or GPU: split the CPU into this many logical devices, so MirroredStrategy runs data parallel over them.",
+    )
+    parser.add_argument(
+        "--jit_compile",
+        action="store_true",
+        help="Compile the train step with XLA (not under MirroredStrategy on CPU).",
+    )
+    parser.add_argument(
+        "--bfloat16",
+        action="store_true",
+        help="Use mixed-precision bfloat16 for training. This is the recommended lower-precision format for TPU.",
+    )
+    parser.add_argument(
+        "--train_dataset",
+        type=str,
+        help="Path to training dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.",
+    )
+    parser.add_argument(
+        "--shuffle_buffer_size", type=int, default=2**18, help="Size of the shuffle buffer (in samples)"
+    )
+    parser.add_argument(
+        "--eval_dataset",
+        type=str,
+        help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.",
+    )
     parser.add_argument("--num_epochs", type=int, default=1, help="Number of epochs to train for.")
-    parser.add_argument("--max_steps", type=int, help="Train this many steps instead of --num_epochs epochs (the data repeats as needed).")
-    parser.add_argument("--warmup_steps", type=int, help="Linear warm-up steps (default: 5%% of the training steps, as the walkthrough).")
+    parser.add_argument(
+        "--max_steps",
+        type=int,
+        help="Train this many steps instead of --num_epochs epochs (the data repeats as needed).",
+    )
+    parser.add_argument(
+        "--warmup_steps",
+        type=int,
+        help="Linear warm-up steps (default: 5%% of the training steps, as the walkthrough).",
+    )
     parser.add_argument("--eval_steps", type=int, help="Evaluate and log every N steps (default: once per epoch).")
     parser.add_argument("--learning_rate", type=float, default=1e-4, help="Learning rate to use for training.")
     parser.add_argument("--weight_decay_rate", type=float, default=1e-3, help="Weight decay rate to use for training.")
-    parser.add_argument("--max_length", type=int, default=512, help="Maximum length of tokenized sequences. Should match the setting used in prepare_tfrecord_shards.py")
-    parser.add_argument("--mlm_probability", type=float, default=0.15, help="Fraction of tokens to mask during training.")
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        default=512,
+        help="Maximum length of tokenized sequences. Should match the setting used in prepare_tfrecord_shards.py",
+    )
+    parser.add_argument(
+        "--mlm_probability", type=float, default=0.15, help="Fraction of tokens to mask during training."
+    )
     parser.add_argument("--seed", type=int, default=42, help="Seed for initialization, shuffling and masking.")
-    parser.add_argument("--full_determinism", action="store_true", help="Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): the same seed gives the same run. Without it the masks drawn in the parallel input pipeline differ from run to run.")
+    parser.add_argument(
+        "--full_determinism",
+        action="store_true",
+        help="Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): the same seed gives the same run. Without it the masks drawn in the parallel input pipeline differ from run to run.",
+    )
     parser.add_argument("--output_dir", type=str, required=True, help="Path to save model checkpoints to.")
     parser.add_argument("--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir.")
     parser.add_argument("--hub_model_id", type=str, help="Model ID to upload to on the Hugging Face Hub.")
-    parser.add_argument("--report_to", choices=["tensorboard", "none"], default="tensorboard", help="tensorboard: events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...).")
+    parser.add_argument(
+        "--report_to",
+        choices=["tensorboard", "none"],
+        default="tensorboard",
+        help="tensorboard: events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...).",
+    )
     args = parser.parse_args(argv)
-    for flag in ("per_replica_batch_size", "num_epochs", "max_length", "num_cpu_devices", "shuffle_buffer_size", "max_steps", "eval_steps"):
+    for flag in (
+        "per_replica_batch_size",
+        "num_epochs",
+        "max_length",
+        "num_cpu_devices",
+        "shuffle_buffer_size",
+        "max_steps",
+        "eval_steps",
+    ):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} must be a positive integer, got {getattr(args, flag)}")
     if not 0.0 < args.mlm_probability < 1.0:
@@ -112,7 +204,9 @@ def parse_args(argv=None):
     if args.warmup_steps is not None and args.warmup_steps < 0:
         fail(f"--warmup_steps must not be negative, got {args.warmup_steps}")
     if args.learning_rate <= 0 or args.weight_decay_rate < 0:
-        fail(f"--learning_rate must be positive and --weight_decay_rate not negative, got {args.learning_rate} and {args.weight_decay_rate}")
+        fail(
+            f"--learning_rate must be positive and --weight_decay_rate not negative, got {args.learning_rate} and {args.weight_decay_rate}"
+        )
     if args.train_dataset is None:
         fail("--train_dataset is required: a folder of TFRecord shards from tensorflow/prepare_tfrecord_shards.py")
     return args
@@ -134,13 +228,17 @@ def hub_reachable(timeout=5.0):
 
 def check_hub_name(flag, name):
     if not os.path.exists(name) and not hub_reachable():
-        fail(f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a local "
-             "folder (tokenizers/create_config.py writes configs, tensorflow/train_unigram.py tokenizers)")
+        fail(
+            f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a local "
+            "folder (tokenizers/create_config.py writes configs, tensorflow/train_unigram.py tokenizers)"
+        )
 
 
 def initialize_tpu(args):
     if args.tpu_name:
-        tpu = tf.distribute.cluster_resolver.TPUClusterResolver(args.tpu_name, zone=args.tpu_zone, project=args.gcp_project)
+        tpu = tf.distribute.cluster_resolver.TPUClusterResolver(
+            args.tpu_name, zone=args.tpu_zone, project=args.gcp_project
+        )
     else:
         tpu = tf.distribute.cluster_resolver.TPUClusterResolver()
     tf.config.experimental_connect_to_cluster(tpu)
@@ -160,8 +258,17 @@ def cpu_bf16(cpuinfo="/proc/cpuinfo"):
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
     widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = ("AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags
-               else "unknown" if not flags else f"none, {widest} only" if widest else "none")
+    support = (
+        "AMX-BF16"
+        if "amx_bf16" in flags
+        else "AVX-512 BF16"
+        if "avx512_bf16" in flags
+        else "unknown"
+        if not flags
+        else f"none, {widest} only"
+        if widest
+        else "none"
+    )
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
@@ -176,8 +283,10 @@ def warn_if_bf16_is_slow(strategy_name):
         return
     model, support = cpu_bf16()
     if support.startswith("none"):
-        logger.warning(f"--bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; TensorFlow computes "
-                       "bf16 in f32 here, with conversions: slower than float32. Going on as asked.")
+        logger.warning(
+            f"--bfloat16: this CPU ({model}, bf16: {support}) has no bf16 instructions; TensorFlow computes "
+            "bf16 in f32 here, with conversions: slower than float32. Going on as asked."
+        )
 
 
 def choose_strategy(args):
@@ -188,9 +297,13 @@ def choose_strategy(args):
             return tf.distribute.TPUStrategy(initialize_tpu(args)), "TPUStrategy"
         except (ValueError, tf.errors.NotFoundError, tf.errors.UnavailableError, tf.errors.InvalidArgumentError) as e:
             reason = str(e).strip().split(". ")[0] if str(e).strip() else "no detail"
-            logger.warning(f"No TPU found ({type(e).__name__}: {reason}); falling back to the devices of this machine "
-                           "(pass --no_tpu to skip looking)")
-    devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [d.name for d in tf.config.list_logical_devices("CPU")]
+            logger.warning(
+                f"No TPU found ({type(e).__name__}: {reason}); falling back to the devices of this machine "
+                "(pass --no_tpu to skip looking)"
+            )
+    devices = [d.name for d in tf.config.list_logical_devices("GPU")] or [
+        d.name for d in tf.config.list_logical_devices("CPU")
+    ]
     if len(devices) > 1:
         return tf.distribute.MirroredStrategy(devices=devices), "MirroredStrategy"
     return tf.distribute.OneDeviceStrategy(devices[0]), "OneDeviceStrategy"
@@ -202,8 +315,10 @@ def count_samples(file_list):
         filename = file.split("/")[-1]
         match = SHARD_NAME.search(filename)
         if match is None:
-            fail(f"shard {file}: the name must end in -<shard>-<count>.tfrecord (as prepare_tfrecord_shards.py writes), "
-                 "because the sample count is read from it")
+            fail(
+                f"shard {file}: the name must end in -<shard>-<count>.tfrecord (as prepare_tfrecord_shards.py writes), "
+                "because the sample count is read from it"
+            )
         num_samples += int(match.group(1))
     return num_samples
 
@@ -219,12 +334,16 @@ def find_shards(flag, path, max_length):
         fail(f"{flag} {records[0]} holds no record")
     length = len(tf.train.Example.FromString(first.numpy()).features.feature["input_ids"].int64_list.value)
     if length != max_length:
-        fail(f"{flag} {path} holds sequences of {length} tokens but --max_length is {max_length}; "
-             "pass the --max_length the shards were prepared with")
+        fail(
+            f"{flag} {path} holds sequences of {length} tokens but --max_length is {max_length}; "
+            "pass the --max_length the shards were prepared with"
+        )
     return records, num_samples
 
 
-def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None, drop_remainder=True):
+def prepare_dataset(
+    records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None, drop_remainder=True
+):
     """Training (shuffle=True): shuffled full batches, repeated without end (fit's steps_per_epoch sets the length).
     Evaluation: the records in order, masked once and cached."""
     num_samples = count_samples(records)
@@ -247,7 +366,9 @@ def prepare_dataset(records, decode_fn, mask_fn, batch_size, shuffle, shuffle_bu
 def make_mask_fn(tokenizer, mlm_probability):
     """Mask a batch inside the tf.data pipeline with the collator's TF masking (80% [MASK], 10% random,
     10% kept). Padding and every special token id are never selected."""
-    data_collator = DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm_probability=mlm_probability, mlm=True, return_tensors="tf")
+    data_collator = DataCollatorForLanguageModeling(
+        tokenizer=tokenizer, mlm_probability=mlm_probability, mlm=True, return_tensors="tf"
+    )
     special_ids = tf.constant(sorted(set(tokenizer.all_special_ids)), dtype=tf.int64)
 
     def mask_with_collator(batch):
@@ -255,7 +376,11 @@ def make_mask_fn(tokenizer, mlm_probability):
         is_special = tf.reduce_any(input_ids[..., None] == special_ids, axis=-1)
         special_tokens_mask = ~tf.cast(batch["attention_mask"], tf.bool) | is_special
         batch["input_ids"], batch["labels"] = data_collator.tf_mask_tokens(
-            input_ids, vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id, special_tokens_mask=special_tokens_mask)
+            input_ids,
+            vocab_size=len(tokenizer),
+            mask_token_id=tokenizer.mask_token_id,
+            special_tokens_mask=special_tokens_mask,
+        )
         return batch
 
     return mask_with_collator
@@ -291,7 +416,9 @@ class MaskedLoss(MaskedAccuracy):
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = tf.cast(y_true, tf.int64)
         mask = y_true != -100
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.boolean_mask(y_true, mask), tf.cast(tf.boolean_mask(y_pred, mask), tf.float32))
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.boolean_mask(y_true, mask), tf.cast(tf.boolean_mask(y_pred, mask), tf.float32)
+        )
         self.correct.assign_add(tf.reduce_sum(tf.cast(losses, tf.float64)))
         self.count.assign_add(tf.reduce_sum(tf.cast(mask, tf.float64)))
 
@@ -300,7 +427,12 @@ class TrainingLog(keras.callbacks.Callback):
     """Times every training step (the first includes tracing and compilation) and stops fit after max_steps. At the
     end of every fit epoch (each --eval_steps steps) writes the Trainer's TensorBoard tags at the global step."""
 
-    TAGS = {"train/loss": "masked_loss", "train/accuracy": "masked_accuracy", "eval/loss": "val_masked_loss", "eval/accuracy": "val_masked_accuracy"}
+    TAGS = {
+        "train/loss": "masked_loss",
+        "train/accuracy": "masked_accuracy",
+        "eval/loss": "val_masked_loss",
+        "eval/accuracy": "val_masked_accuracy",
+    }
 
     def __init__(self, max_steps, schedule, writer):
         super().__init__()
@@ -370,14 +502,18 @@ def lock_output_dir(output_dir):
     of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
     so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
     if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
-        atexit.register(lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir))
+        atexit.register(
+            lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
+        )
     os.makedirs(output_dir, exist_ok=True)
     lock = open(os.path.join(output_dir, ".lock"), "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         lock.seek(0)
-        fail(f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir")
+        fail(
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+        )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
@@ -395,7 +531,9 @@ def main(argv=None):
             logger.warning("--num_cpu_devices is ignored: GPUs are present")
         else:
             cpu = tf.config.list_physical_devices("CPU")[0]
-            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * args.num_cpu_devices)
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * args.num_cpu_devices
+            )
 
     output_dir = args.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -403,15 +541,27 @@ def main(argv=None):
     if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {".lock"} and not args.overwrite_output_dir:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     check_writable("--output_dir", output_dir)
-    config_flag, config_source = ("--model_name_or_path", args.model_name_or_path) if args.model_name_or_path else ("--pretrained_model_config", args.pretrained_model_config)
+    config_flag, config_source = (
+        ("--model_name_or_path", args.model_name_or_path)
+        if args.model_name_or_path
+        else ("--pretrained_model_config", args.pretrained_model_config)
+    )
     if os.path.isdir(config_source) and not os.path.isfile(os.path.join(config_source, "config.json")):
         fail(f"{config_flag} {config_source} holds no config.json; write one with tokenizers/create_config.py")
-    if args.model_name_or_path and os.path.isdir(args.model_name_or_path) and not os.path.isfile(os.path.join(args.model_name_or_path, "tf_model.h5")):
-        fail(f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow weights (tf_model.h5); save them with "
-             "TFAutoModelForMaskedLM.save_pretrained, or leave the flag out to start from a fresh initialisation")
+    if (
+        args.model_name_or_path
+        and os.path.isdir(args.model_name_or_path)
+        and not os.path.isfile(os.path.join(args.model_name_or_path, "tf_model.h5"))
+    ):
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow weights (tf_model.h5); save them with "
+            "TFAutoModelForMaskedLM.save_pretrained, or leave the flag out to start from a fresh initialisation"
+        )
     if args.hub_model_id and not hub_reachable():
-        fail(f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
-             f"and upload {output_dir} later")
+        fail(
+            f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
+            f"and upload {output_dir} later"
+        )
     for flag, name in ((config_flag, config_source), ("--tokenizer", args.tokenizer)):
         check_hub_name(flag, name)
     training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
@@ -422,8 +572,10 @@ def main(argv=None):
     replicas = strategy.num_replicas_in_sync
     logger.info(f"Strategy: {strategy_name} with {replicas} replica(s)")
     if args.jit_compile and strategy_name == "MirroredStrategy" and not tf.config.list_logical_devices("GPU"):
-        fail("--jit_compile does not work under MirroredStrategy on CPU devices (TensorFlow cannot place the XLA "
-             "step across them); drop --jit_compile or use --num_cpu_devices 1")
+        fail(
+            "--jit_compile does not work under MirroredStrategy on CPU devices (TensorFlow cannot place the XLA "
+            "step across them); drop --jit_compile or use --num_cpu_devices 1"
+        )
 
     if args.bfloat16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -436,13 +588,17 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         config = AutoConfig.from_pretrained(config_source)
     except Exception as e:  # noqa: BLE001 - a folder without tokenizer files raises AttributeError, not OSError
-        fail(f"cannot load the tokenizer or config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
-             "is --tokenizer a folder written by train_unigram.py or save_pretrained?")
+        fail(
+            f"cannot load the tokenizer or config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); "
+            "is --tokenizer a folder written by train_unigram.py or save_pretrained?"
+        )
     if tokenizer.mask_token is None:
         fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
     if args.model_name_or_path and config.vocab_size != len(tokenizer):
-        fail(f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} but --tokenizer has "
-             f"{len(tokenizer)} tokens; pass the tokenizer the model was trained with")
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} but --tokenizer has "
+            f"{len(tokenizer)} tokens; pass the tokenizer the model was trained with"
+        )
     # The model's vocabulary and special ids come from the tokenizer.
     config.vocab_size = len(tokenizer)
     special_ids = {
@@ -454,9 +610,11 @@ def main(argv=None):
         if token_id is not None:
             setattr(config, name, token_id)
     if config.model_type in OFFSET_POSITION_MODELS and tokenizer.pad_token_id != 1:
-        fail(f"tokenizer {args.tokenizer!r} has pad id {tokenizer.pad_token_id}, but TF{config.model_type} numbers positions "
-             "assuming pad id 1 (its padding_idx is fixed), so every token with id 1 would count as padding; "
-             "train the tokenizer with tensorflow/train_unigram.py, which puts <pad> at id 1")
+        fail(
+            f"tokenizer {args.tokenizer!r} has pad id {tokenizer.pad_token_id}, but TF{config.model_type} numbers positions "
+            "assuming pad id 1 (its padding_idx is fixed), so every token with id 1 would count as padding; "
+            "train the tokenizer with tensorflow/train_unigram.py, which puts <pad> at id 1"
+        )
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
         positions -= config.pad_token_id + 1
@@ -466,13 +624,17 @@ def main(argv=None):
     batch_size = args.per_replica_batch_size * replicas
     steps_per_epoch = num_train_samples // batch_size
     if steps_per_epoch == 0:
-        fail(f"{num_train_samples} training samples are fewer than one global batch ({batch_size}); "
-             "use more data or a smaller --per_replica_batch_size")
+        fail(
+            f"{num_train_samples} training samples are fewer than one global batch ({batch_size}); "
+            "use more data or a smaller --per_replica_batch_size"
+        )
     total_train_steps = args.max_steps or steps_per_epoch * args.num_epochs
     warmup_steps = args.warmup_steps if args.warmup_steps is not None else total_train_steps // 20
     if warmup_steps > total_train_steps:
-        logger.warning(f"--warmup_steps {warmup_steps} is longer than training ({total_train_steps} steps): the learning rate "
-                       "never reaches --learning_rate")
+        logger.warning(
+            f"--warmup_steps {warmup_steps} is longer than training ({total_train_steps} steps): the learning rate "
+            "never reaches --learning_rate"
+        )
     # fit's epochs are stretches of --eval_steps steps (default: a pass over the data), each ending in an evaluation.
     fit_epoch_steps = min(args.eval_steps or steps_per_epoch, total_train_steps)
 
@@ -481,7 +643,9 @@ def main(argv=None):
             try:
                 model = TFAutoModelForMaskedLM.from_pretrained(args.model_name_or_path, config=config)
             except (OSError, ValueError) as e:
-                fail(f"--model_name_or_path {args.model_name_or_path}: cannot load the weights: {str(e).splitlines()[0]}")
+                fail(
+                    f"--model_name_or_path {args.model_name_or_path}: cannot load the weights: {str(e).splitlines()[0]}"
+                )
         else:
             model = TFAutoModelForMaskedLM.from_config(config)
         model(model.dummy_inputs)  # Pass some dummy inputs through the model to ensure all the weights are built
@@ -493,8 +657,10 @@ def main(argv=None):
         )
         # The model computes its own MLM loss from the labels (no loss passed to compile).
         model.compile(optimizer=optimizer, metrics=[MaskedAccuracy(), MaskedLoss()], jit_compile=args.jit_compile)
-    logger.info(f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
-                f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}")
+    logger.info(
+        f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
+        f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}"
+    )
 
     def decode_fn(example):
         features = {
@@ -504,17 +670,32 @@ def main(argv=None):
         return tf.io.parse_single_example(example, features)
 
     mask_fn = make_mask_fn(tokenizer, args.mlm_probability)
-    train_dataset = prepare_dataset(training_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size,
-                                    shuffle=True, shuffle_buffer_size=args.shuffle_buffer_size, seed=args.seed)
+    train_dataset = prepare_dataset(
+        training_records,
+        decode_fn=decode_fn,
+        mask_fn=mask_fn,
+        batch_size=batch_size,
+        shuffle=True,
+        shuffle_buffer_size=args.shuffle_buffer_size,
+        seed=args.seed,
+    )
     eval_dataset = None
     if eval_records:
         # TPUs need full batches, and a replica's share of a short one can hold no masked token (a NaN loss); on
         # one device every evaluation block counts, as in the other scripts.
         full_batches = replicas > 1 or strategy_name == "TPUStrategy"
-        eval_dataset = prepare_dataset(eval_records, decode_fn=decode_fn, mask_fn=mask_fn, batch_size=batch_size, shuffle=False,
-                                       drop_remainder=full_batches)
+        eval_dataset = prepare_dataset(
+            eval_records,
+            decode_fn=decode_fn,
+            mask_fn=mask_fn,
+            batch_size=batch_size,
+            shuffle=False,
+            drop_remainder=full_batches,
+        )
         if full_batches and count_samples(eval_records) < batch_size:
-            fail(f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})")
+            fail(
+                f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})"
+            )
 
     timer = TrainingLog(total_train_steps, schedule, open_summary_writer(args))
     callbacks = [timer]
@@ -524,18 +705,32 @@ def main(argv=None):
         callbacks.append(PushToHubCallback(output_dir=output_dir, hub_model_id=args.hub_model_id, tokenizer=tokenizer))
 
     start = time.perf_counter()
-    history = model.fit(train_dataset, validation_data=eval_dataset, epochs=math.ceil(total_train_steps / fit_epoch_steps),
-                        steps_per_epoch=fit_epoch_steps, callbacks=callbacks, verbose=2 if not sys.stdout.isatty() else "auto").history
+    history = model.fit(
+        train_dataset,
+        validation_data=eval_dataset,
+        epochs=math.ceil(total_train_steps / fit_epoch_steps),
+        steps_per_epoch=fit_epoch_steps,
+        callbacks=callbacks,
+        verbose=2 if not sys.stdout.isatty() else "auto",
+    ).history
     runtime = time.perf_counter() - start
 
     os.makedirs(output_dir, exist_ok=True)
     save_atomically(model, tokenizer, output_dir)
     # The saved model must give back the trained model's outputs.
     sample = next(iter(tf.data.TFRecordDataset(training_records[:1]).map(decode_fn).batch(4).take(1)))
-    reload_diff = float(tf.reduce_max(tf.abs(tf.cast(TFAutoModelForMaskedLM.from_pretrained(output_dir)(sample).logits, tf.float32)
-                                             - tf.cast(model(sample).logits, tf.float32))))
+    reload_diff = float(
+        tf.reduce_max(
+            tf.abs(
+                tf.cast(TFAutoModelForMaskedLM.from_pretrained(output_dir)(sample).logits, tf.float32)
+                - tf.cast(model(sample).logits, tf.float32)
+            )
+        )
+    )
     if reload_diff > 1e-4:
-        fail(f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})")
+        fail(
+            f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})"
+        )
     steady = timer.times[1:] or timer.times
     # Keras' metrics restart every fit epoch: average the stretches, weighted by their steps.
     stretches = len(history["loss"])
@@ -562,8 +757,10 @@ def main(argv=None):
         "reload_max_abs_logit_diff": reload_diff,
     }
     write_json(os.path.join(output_dir, "train_results.json"), train_results)
-    logger.info(f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_accuracy']:.4f}, "
-                f"median step {train_results['step_time_median_s'] * 1000:.1f} ms (first {timer.times[0]:.1f} s)")
+    logger.info(
+        f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_accuracy']:.4f}, "
+        f"median step {train_results['step_time_median_s'] * 1000:.1f} ms (first {timer.times[0]:.1f} s)"
+    )
     if eval_dataset is not None:
         eval_loss = float(history["val_masked_loss"][-1])
         eval_results = {
@@ -571,11 +768,15 @@ def main(argv=None):
             "eval_keras_loss": float(history["val_loss"][-1]),
             "eval_accuracy": float(history["val_masked_accuracy"][-1]),
             "eval_perplexity": math.exp(min(eval_loss, 700.0)),
-            "eval_samples": count_samples(eval_records) // batch_size * batch_size if full_batches else count_samples(eval_records),
+            "eval_samples": count_samples(eval_records) // batch_size * batch_size
+            if full_batches
+            else count_samples(eval_records),
         }
         write_json(os.path.join(output_dir, "eval_results.json"), eval_results)
-        logger.info(f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_accuracy']:.4f}, "
-                    f"perplexity {eval_results['eval_perplexity']:.2f}")
+        logger.info(
+            f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_accuracy']:.4f}, "
+            f"perplexity {eval_results['eval_perplexity']:.2f}"
+        )
     logger.info(f"Model, tokenizer and results saved to {output_dir}")
     lock.close()
 

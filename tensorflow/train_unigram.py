@@ -19,9 +19,10 @@ import shutil
 import sys
 import tempfile
 
-from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import Unigram
 from tokenizers.trainers import UnigramTrainer
+
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
 logger = logging.getLogger(__name__)
 # RoBERTa's id order (<s> <pad> </s> <unk> <mask>). The walkthrough put <pad> at 3 and [SEP] at 1, but
@@ -35,18 +36,42 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train a unigram tokenizer on the wikitext dataset (or local text files).")
+    parser = argparse.ArgumentParser(
+        description="Train a unigram tokenizer on the wikitext dataset (or local text files)."
+    )
     parser.error = fail  # a bad or missing flag: one line, not a usage block
-    parser.add_argument("--dataset_name", type=str, default="wikitext", help="Name of the training dataset on the hub (ignored with --train_file).")
-    parser.add_argument("--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the training dataset.")
-    parser.add_argument("--trust_remote_code", action="store_true", help="Allow datasets defined on the Hub in their own modeling files.")
-    parser.add_argument("--train_file", type=str, action="append", help="A local text file to train on, one text per line (repeat the flag for several).")
+    parser.add_argument(
+        "--dataset_name",
+        type=str,
+        default="wikitext",
+        help="Name of the training dataset on the hub (ignored with --train_file).",
+    )
+    parser.add_argument(
+        "--dataset_config", type=str, default="wikitext-103-raw-v1", help="Configuration name of the training dataset."
+    )
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="Allow datasets defined on the Hub in their own modeling files.",
+    )
+    parser.add_argument(
+        "--train_file",
+        type=str,
+        action="append",
+        help="A local text file to train on, one text per line (repeat the flag for several).",
+    )
     parser.add_argument("--batch_size", type=int, default=1000, help="Batch size during training.")
     parser.add_argument("--vocab_size", type=int, default=10048, help="Size of the desired vocabulary.")
     parser.add_argument("--limit", default=None, type=int, help="Limit the number of texts (lines) to train on.")
-    parser.add_argument("--output_dir", type=str, default="unigram-tokenizer-wikitext", help="Where the tokenizer is saved.")
+    parser.add_argument(
+        "--output_dir", type=str, default="unigram-tokenizer-wikitext", help="Where the tokenizer is saved."
+    )
     parser.add_argument("--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir.")
-    parser.add_argument("--export_to_hub", action="store_true", help="Also push the tokenizer to the hub as unigram-tokenizer-<dataset>.")
+    parser.add_argument(
+        "--export_to_hub",
+        action="store_true",
+        help="Also push the tokenizer to the hub as unigram-tokenizer-<dataset>.",
+    )
     args = parser.parse_args(argv)
     if args.batch_size <= 0 or args.vocab_size <= len(SPECIAL_TOKENS):
         fail(f"--batch_size must be positive and --vocab_size larger than {len(SPECIAL_TOKENS)}")
@@ -83,8 +108,10 @@ def check_text_file(flag, path):
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
-                fail(f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                     "e.g. with iconv -f latin1 -t utf-8")
+                fail(
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    "e.g. with iconv -f latin1 -t utf-8"
+                )
             line += chunk.count(newline)
     if empty:
         fail(f"{flag} {path} is empty: it has no non-blank line")
@@ -115,11 +142,15 @@ def load_texts(args):
             fail(f"--train_file {' '.join(args.train_file)}: no non-blank line to train on")
         return texts[: args.limit]
     if not os.path.exists(args.dataset_name) and not hub_reachable():
-        fail(f"--dataset_name {args.dataset_name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
-             "pass --train_file with local text (see tokenizers/prepare_corpus.py)")
+        fail(
+            f"--dataset_name {args.dataset_name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
+            "pass --train_file with local text (see tokenizers/prepare_corpus.py)"
+        )
     import datasets
 
-    dataset = datasets.load_dataset(args.dataset_name, args.dataset_config, split="train", trust_remote_code=args.trust_remote_code)
+    dataset = datasets.load_dataset(
+        args.dataset_name, args.dataset_config, split="train", trust_remote_code=args.trust_remote_code
+    )
     if args.limit is not None:
         dataset = dataset.select(range(min(len(dataset), args.limit)))
     return dataset["text"]
@@ -149,8 +180,10 @@ def main(argv=None):
         fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
     check_writable("--output_dir", args.output_dir)
     if args.export_to_hub and not hub_reachable():
-        fail("--export_to_hub: the Hugging Face Hub is unreachable (offline?); drop --export_to_hub and upload "
-             f"{args.output_dir} later")
+        fail(
+            "--export_to_hub: the Hugging Face Hub is unreachable (offline?); drop --export_to_hub and upload "
+            f"{args.output_dir} later"
+        )
     texts = load_texts(args)
     logger.info(f"Training a {args.vocab_size}-piece unigram tokenizer on {len(texts):,} texts")
     tokenizer = train(texts, args.vocab_size, args.batch_size)

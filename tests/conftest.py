@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ROBERTA = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
 TINY_GPT2 = "n_embd=64,n_layer=2,n_head=2"
 TINY_T5 = "d_model=64,d_kv=32,d_ff=128,num_layers=2,num_decoder_layers=2,num_heads=2"
-TINY_BART = ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
-             "encoder_ffn_dim=128,decoder_ffn_dim=128")
+TINY_BART = (
+    "d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
+    "encoder_ffn_dim=128,decoder_ffn_dim=128"
+)
 
 
 # The scripts hide the frameworks they do not use from transformers (os.environ.setdefault("USE_TF", "0")
@@ -61,11 +63,13 @@ def error_line(result, prefix):
 def bad_input(make_args, prefix, default_output):
     """A caller for bad-input tests: runs make_args(output_dir, *extra) (with --train_file replaced when
     train_file is given) and returns the one error line the script must print."""
+
     def call(*extra, env=None, train_file=None, output_dir=None):
         args = make_args(output_dir or default_output, *extra)
         if train_file is not None:
             args[args.index("--train_file") + 1] = str(train_file)
         return error_line(run(args, env=env), prefix)
+
     return call
 
 
@@ -86,18 +90,58 @@ TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 def make_model_dir(out, corpus, model_type, overrides, *tokenizer_args):
     """Train a 1000-piece tokenizer on the PTB train split and write a tiny config beside it."""
-    check_ok(run(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "1000",
-                  "--output_dir", str(out), *tokenizer_args]))
-    check_ok(run(["tokenizers/create_config.py", "--model_type", model_type, "--tokenizer_name", str(out),
-                  "--config_overrides", overrides, "--output_dir", str(out)]))
+    check_ok(
+        run(
+            [
+                "tokenizers/train_tokenizer.py",
+                "--train_file",
+                str(corpus / "train.txt"),
+                "--vocab_size",
+                "1000",
+                "--output_dir",
+                str(out),
+                *tokenizer_args,
+            ]
+        )
+    )
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                model_type,
+                "--tokenizer_name",
+                str(out),
+                "--config_overrides",
+                overrides,
+                "--output_dir",
+                str(out),
+            ]
+        )
+    )
     return out
 
 
 def script_args(script, model_type, model_dir, corpus, output_dir, *extra):
     """A Flax script's command line on the PTB slices with a tiny model (length flags go in extra)."""
-    return [script, "--output_dir", str(output_dir), "--model_type", model_type, "--config_name", str(model_dir),
-            "--tokenizer_name", str(model_dir), "--train_file", str(corpus / "train_slice.txt"),
-            "--validation_file", str(corpus / "validation_slice.txt"), "--per_device_eval_batch_size", "16", *extra]
+    return [
+        script,
+        "--output_dir",
+        str(output_dir),
+        "--model_type",
+        model_type,
+        "--config_name",
+        str(model_dir),
+        "--tokenizer_name",
+        str(model_dir),
+        "--train_file",
+        str(corpus / "train_slice.txt"),
+        "--validation_file",
+        str(corpus / "validation_slice.txt"),
+        "--per_device_eval_batch_size",
+        "16",
+        *extra,
+    ]
 
 
 def logged_losses(log):
@@ -122,7 +166,9 @@ FLAX_TRAINING_SCRIPTS = {
 def flax_args(path, request, corpus, output_dir, *extra, length="32"):
     """A Flax training script's command line on the PTB slices with its tiny model (length 32 by default)."""
     model_type, fixture, length_flag = FLAX_TRAINING_SCRIPTS[path]
-    return script_args(path, model_type, request.getfixturevalue(fixture), corpus, output_dir, length_flag, length, *extra)
+    return script_args(
+        path, model_type, request.getfixturevalue(fixture), corpus, output_dir, length_flag, length, *extra
+    )
 
 
 def eval_reloaded(args, trained_dir, output_dir):

@@ -10,7 +10,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import ROOT, check_ok, error_line, flax_args, run
 
 MLM = "flax/run_mlm_flax.py"
@@ -19,6 +18,7 @@ SIBLINGS = ("flax/run_clm_flax.py", "flax/run_t5_mlm_flax.py", "flax/run_bart_dl
 
 def errors(*cases):
     """Run (args, expected fragments) cases two at a time; each must fail with one line holding every fragment."""
+
     def one(case):
         args, *fragments = case
         return error_line(run(args), args[0].split("/")[-1]), fragments
@@ -33,7 +33,9 @@ def errors(*cases):
 def files(tmp_path_factory, corpus):
     d = tmp_path_factory.mktemp("bad")
     (d / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)
-    (d / "binary.txt").write_bytes(b"fine first line\n" + bytes(range(256)) * 20)  # 0x0a ends line 2; 0x80 is on line 3
+    (d / "binary.txt").write_bytes(
+        b"fine first line\n" + bytes(range(256)) * 20
+    )  # 0x0a ends line 2; 0x80 is on line 3
     (d / "numbers.json").write_text("".join(json.dumps({"id": i, "value": 2 * i}) + "\n" for i in range(50)))
     (d / "numbers.csv").write_text("id,num\n" + "".join(f"{i},{2 * i}\n" for i in range(50)))
     (d / "short.txt").write_text("just one short line of text\n")
@@ -52,37 +54,87 @@ def mlm(request, corpus, out, *extra, train=None, script=MLM):
 
 
 def pytorch(tiny_model_dir, corpus, out, *extra, train=None):
-    return ["pytorch/run_mlm.py", "--output_dir", str(out), "--config_name", str(tiny_model_dir), "--tokenizer_name", str(tiny_model_dir),
-            "--train_file", str(train or corpus / "train_slice.txt"), "--max_steps", "2", "--report_to", "none",
-            *(extra or ["--do_train"])]
+    return [
+        "pytorch/run_mlm.py",
+        "--output_dir",
+        str(out),
+        "--config_name",
+        str(tiny_model_dir),
+        "--tokenizer_name",
+        str(tiny_model_dir),
+        "--train_file",
+        str(train or corpus / "train_slice.txt"),
+        "--max_steps",
+        "2",
+        "--report_to",
+        "none",
+        *(extra or ["--do_train"]),
+    ]
 
 
 def tf_mlm(tiny_model_dir, shards, out, *extra, config=None):
-    return ["tensorflow/run_mlm.py", "--pretrained_model_config", str(config or tiny_model_dir), "--tokenizer", str(tiny_model_dir),
-            "--no_tpu", "--train_dataset", str(shards), "--max_length", "32", "--output_dir", str(out), *extra]
+    return [
+        "tensorflow/run_mlm.py",
+        "--pretrained_model_config",
+        str(config or tiny_model_dir),
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--no_tpu",
+        "--train_dataset",
+        str(shards),
+        "--max_length",
+        "32",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def test_unknown_flags_bad_values_and_argument_files(request, corpus, tmp_path):
     out = ["--output_dir", str(tmp_path / "out")]
     (tmp_path / "args.json").write_text(json.dumps({"output_dir": str(tmp_path / "out"), "learnig_rate": 1e-3}))
-    errors(*[([script, *out, "--learnig_rate", "1e-3"], "unknown argument --learnig_rate; did you mean --learning_rate?")
-             for script in ("flax/run_mlm_flax.py", "flax/run_clm_flax.py", "flax/run_t5_mlm_flax.py", "flax/run_bart_dlm_flax.py",
-                            "pytorch/run_mlm.py")],
-           (["flax/run_bert_flax.py", "--precison", "bfloat16"], "unknown argument --precison; did you mean --precision?"),
-           ([MLM, str(tmp_path / "missing.json")], "arguments file", "does not exist"),
-           ([MLM, str(tmp_path / "args.json")], "learnig_rate"),
-           (["pytorch/run_mlm.py", str(tmp_path / "missing.json")], "does not exist"),
-           ([MLM, *out, "--learning_rate", "abc"], "--learning_rate", "invalid float value: 'abc'"),
-           (["tokenizers/create_config.py", "--model_type", "roberta", *out, "--vocab_size", "many"], "--vocab_size", "invalid int"),
-           (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"),
-           (["tensorflow/run_mlm.py", *out, "--max_steps", "0"], "--max_steps must be a positive integer"))
+    errors(
+        *[
+            (
+                [script, *out, "--learnig_rate", "1e-3"],
+                "unknown argument --learnig_rate; did you mean --learning_rate?",
+            )
+            for script in (
+                "flax/run_mlm_flax.py",
+                "flax/run_clm_flax.py",
+                "flax/run_t5_mlm_flax.py",
+                "flax/run_bart_dlm_flax.py",
+                "pytorch/run_mlm.py",
+            )
+        ],
+        (
+            ["flax/run_bert_flax.py", "--precison", "bfloat16"],
+            "unknown argument --precison; did you mean --precision?",
+        ),
+        ([MLM, str(tmp_path / "missing.json")], "arguments file", "does not exist"),
+        ([MLM, str(tmp_path / "args.json")], "learnig_rate"),
+        (["pytorch/run_mlm.py", str(tmp_path / "missing.json")], "does not exist"),
+        ([MLM, *out, "--learning_rate", "abc"], "--learning_rate", "invalid float value: 'abc'"),
+        (
+            ["tokenizers/create_config.py", "--model_type", "roberta", *out, "--vocab_size", "many"],
+            "--vocab_size",
+            "invalid int",
+        ),
+        (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"),
+        (["tensorflow/run_mlm.py", *out, "--max_steps", "0"], "--max_steps must be a positive integer"),
+    )
 
 
 def test_a_table_without_a_text_column(request, corpus, tmp_path, files, tiny_model_dir):
-    errors((mlm(request, corpus, tmp_path / "a", train=files / "numbers.json"), "no column named 'text'", "id, value"),
-           (mlm(request, corpus, tmp_path / "b", train=files / "numbers.csv"), "no column named 'text'", "id, num"),
-           (mlm(request, corpus, tmp_path / "clm", train=files / "numbers.json", script=SIBLINGS[0]), "no column named 'text'"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "c", train=files / "numbers.json"), "no column named 'text'"))
+    errors(
+        (mlm(request, corpus, tmp_path / "a", train=files / "numbers.json"), "no column named 'text'", "id, value"),
+        (mlm(request, corpus, tmp_path / "b", train=files / "numbers.csv"), "no column named 'text'", "id, num"),
+        (
+            mlm(request, corpus, tmp_path / "clm", train=files / "numbers.json", script=SIBLINGS[0]),
+            "no column named 'text'",
+        ),
+        (pytorch(tiny_model_dir, corpus, tmp_path / "c", train=files / "numbers.json"), "no column named 'text'"),
+    )
 
 
 def test_output_dir_that_cannot_be_written(request, corpus, tmp_path, tiny_model_dir, corpus_shards, trained_flax):
@@ -96,17 +148,35 @@ def test_output_dir_that_cannot_be_written(request, corpus, tmp_path, tiny_model
         text = str(corpus / "train_slice.txt")
         cases = [
             (mlm(request, corpus, target[0]), "--output_dir", "cannot be written"),
-            *[(flax_args(script, request, corpus, target[i % 2], "--do_train"), "--output_dir", "cannot be written")
-              for i, script in enumerate(SIBLINGS)],
+            *[
+                (flax_args(script, request, corpus, target[i % 2], "--do_train"), "--output_dir", "cannot be written")
+                for i, script in enumerate(SIBLINGS)
+            ],
             (pytorch(tiny_model_dir, corpus, target[1]), "--output_dir", "cannot be written"),
             (tf_mlm(tiny_model_dir, corpus_shards, target[0]), "cannot be written"),
-            (["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(tiny_model_dir), "--train_file", text,
-              "--output_dir", target[1]], "cannot be written"),
+            (
+                [
+                    "tensorflow/prepare_tfrecord_shards.py",
+                    "--tokenizer_name_or_path",
+                    str(tiny_model_dir),
+                    "--train_file",
+                    text,
+                    "--output_dir",
+                    target[1],
+                ],
+                "cannot be written",
+            ),
             (["tensorflow/train_unigram.py", "--train_file", text, "--output_dir", target[0]], "cannot be written"),
             (["tokenizers/prepare_corpus.py", "--output_dir", target[1]], "cannot be written"),
             (["tokenizers/train_tokenizer.py", "--train_file", text, "--output_dir", target[0]], "cannot be written"),
-            (["tokenizers/create_config.py", "--model_type", "roberta", "--output_dir", target[1]], "cannot be written"),
-            (["flax/export_to_pytorch.py", "--model_dir", str(trained_flax), "--output_dir", target[0]], "cannot be written"),
+            (
+                ["tokenizers/create_config.py", "--model_type", "roberta", "--output_dir", target[1]],
+                "cannot be written",
+            ),
+            (
+                ["flax/export_to_pytorch.py", "--model_dir", str(trained_flax), "--output_dir", target[0]],
+                "cannot be written",
+            ),
             (["flax/run_bert_flax.py", "--output_file", str(frozen / "r.json")], "--output_file", "cannot be written"),
         ]
         errors(*cases)
@@ -119,15 +189,45 @@ def test_output_dir_that_cannot_be_written(request, corpus, tmp_path, tiny_model
 def corpus_shards(tiny_model_dir, corpus, tmp_path_factory):
     """A real shard folder, so that tensorflow/run_mlm.py gets as far as its output checks."""
     out = tmp_path_factory.mktemp("shards")
-    check_ok(run(["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(tiny_model_dir), "--train_file",
-                  str(corpus / "validation_slice.txt"), "--split", "train", "--max_length", "32", "--output_dir", str(out)]))
+    check_ok(
+        run(
+            [
+                "tensorflow/prepare_tfrecord_shards.py",
+                "--tokenizer_name_or_path",
+                str(tiny_model_dir),
+                "--train_file",
+                str(corpus / "validation_slice.txt"),
+                "--split",
+                "train",
+                "--max_length",
+                "32",
+                "--output_dir",
+                str(out),
+            ]
+        )
+    )
     return out / "train"
 
 
 @pytest.fixture(scope="module")
 def trained_flax(request, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    check_ok(run(flax_args(MLM, request, corpus, out, "--do_train", "--max_steps", "2", "--report_to", "none", "--overwrite_output_dir")))
+    check_ok(
+        run(
+            flax_args(
+                MLM,
+                request,
+                corpus,
+                out,
+                "--do_train",
+                "--max_steps",
+                "2",
+                "--report_to",
+                "none",
+                "--overwrite_output_dir",
+            )
+        )
+    )
     return out
 
 
@@ -141,11 +241,26 @@ def test_truncated_or_corrupt_weights(request, corpus, tmp_path, trained_flax, t
     corrupt_pt = tmp_path / "corrupt_pt"
     shutil.copytree(tiny_model_dir, corrupt_pt)
     (corrupt_pt / "model.safetensors").write_text("garbage")
-    args = [a for a in flax_args(MLM, request, corpus, tmp_path / "a", "--do_eval") if a not in ("--model_type", "roberta")]
-    errors((args + ["--model_name_or_path", str(truncated)], "cannot load the model", "is its weights file complete?"),
-           (["flax/export_to_pytorch.py", "--model_dir", str(truncated), "--output_dir", str(tmp_path / "b")], "cannot read", "complete?"),
-           (["flax/export_to_pytorch.py", "--model_dir", str(no_config), "--output_dir", str(tmp_path / "c")], "no config.json"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "d", "--do_train", "--model_name_or_path", str(corrupt_pt)), "cannot load the model", "SafetensorError"))
+    args = [
+        a for a in flax_args(MLM, request, corpus, tmp_path / "a", "--do_eval") if a not in ("--model_type", "roberta")
+    ]
+    errors(
+        (args + ["--model_name_or_path", str(truncated)], "cannot load the model", "is its weights file complete?"),
+        (
+            ["flax/export_to_pytorch.py", "--model_dir", str(truncated), "--output_dir", str(tmp_path / "b")],
+            "cannot read",
+            "complete?",
+        ),
+        (
+            ["flax/export_to_pytorch.py", "--model_dir", str(no_config), "--output_dir", str(tmp_path / "c")],
+            "no config.json",
+        ),
+        (
+            pytorch(tiny_model_dir, corpus, tmp_path / "d", "--do_train", "--model_name_or_path", str(corrupt_pt)),
+            "cannot load the model",
+            "SafetensorError",
+        ),
+    )
 
 
 def test_attention_heads_that_do_not_divide_the_hidden_size(request, corpus, tmp_path, tiny_model_dir):
@@ -153,9 +268,24 @@ def test_attention_heads_that_do_not_divide_the_hidden_size(request, corpus, tmp
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({**config, "hidden_size": 65}))
-    errors((["tokenizers/create_config.py", "--model_type", "roberta", "--output_dir", str(tmp_path / "cfg"), "--config_overrides",
-             "hidden_size=65,num_attention_heads=2"], "not divisible by 2 attention heads"),
-           (mlm(request, corpus, tmp_path / "a", "--config_name", str(odd)), "hidden size 65 is not divisible by its 2 attention heads"))
+    errors(
+        (
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--output_dir",
+                str(tmp_path / "cfg"),
+                "--config_overrides",
+                "hidden_size=65,num_attention_heads=2",
+            ],
+            "not divisible by 2 attention heads",
+        ),
+        (
+            mlm(request, corpus, tmp_path / "a", "--config_name", str(odd)),
+            "hidden size 65 is not divisible by its 2 attention heads",
+        ),
+    )
     assert not (tmp_path / "cfg").exists()
 
 
@@ -166,44 +296,124 @@ def test_disk_full_while_checkpointing(request, corpus, tmp_path):
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True)
     try:
-        line = error_line(run(flax_args(MLM, request, corpus, disk / "out", "--do_train", "--max_steps", "20", "--save_steps", "2",
-                                        "--report_to", "none")), "run_mlm_flax.py")
-        assert "cannot write" in line and "checkpoint-4" in line and f"{disk / 'out' / 'checkpoint-2'}, is intact" in line
-        assert (disk / "out" / "checkpoint-2" / "trainer_state").is_dir() and not list((disk / "out").glob("checkpoint-4*"))
+        line = error_line(
+            run(
+                flax_args(
+                    MLM,
+                    request,
+                    corpus,
+                    disk / "out",
+                    "--do_train",
+                    "--max_steps",
+                    "20",
+                    "--save_steps",
+                    "2",
+                    "--report_to",
+                    "none",
+                )
+            ),
+            "run_mlm_flax.py",
+        )
+        assert (
+            "cannot write" in line and "checkpoint-4" in line and f"{disk / 'out' / 'checkpoint-2'}, is intact" in line
+        )
+        assert (disk / "out" / "checkpoint-2" / "trainer_state").is_dir() and not list(
+            (disk / "out").glob("checkpoint-4*")
+        )
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
-    errors((mlm(request, corpus, tmp_path / "a", "--learning_rate=-1e-3"), "--learning_rate must be positive"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--learning_rate=-1e-3"), "--learning_rate must be positive"),
-           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", "--learning_rate=-1e-3"), "--learning_rate must be positive"))
+    errors(
+        (mlm(request, corpus, tmp_path / "a", "--learning_rate=-1e-3"), "--learning_rate must be positive"),
+        (
+            pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--learning_rate=-1e-3"),
+            "--learning_rate must be positive",
+        ),
+        (
+            tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", "--learning_rate=-1e-3"),
+            "--learning_rate must be positive",
+        ),
+    )
 
 
 def test_warmup_longer_than_training_warns_with_the_peak_reached(request, corpus, tmp_path, tiny_model_dir):
     def one(args):
         return check_ok(run(args))
+
     with ThreadPoolExecutor(2) as pool:
-        flax, torch = pool.map(one, [flax_args(MLM, request, corpus, tmp_path / "a", "--do_train", "--max_steps", "4", "--warmup_steps", "8",
-                                               "--learning_rate", "1e-3", "--report_to", "none"),
-                                     pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--max_steps", "4", "--warmup_steps", "8",
-                                             "--learning_rate", "1e-3")])
+        flax, torch = pool.map(
+            one,
+            [
+                flax_args(
+                    MLM,
+                    request,
+                    corpus,
+                    tmp_path / "a",
+                    "--do_train",
+                    "--max_steps",
+                    "4",
+                    "--warmup_steps",
+                    "8",
+                    "--learning_rate",
+                    "1e-3",
+                    "--report_to",
+                    "none",
+                ),
+                pytorch(
+                    tiny_model_dir,
+                    corpus,
+                    tmp_path / "b",
+                    "--do_train",
+                    "--max_steps",
+                    "4",
+                    "--warmup_steps",
+                    "8",
+                    "--learning_rate",
+                    "1e-3",
+                ),
+            ],
+        )
     assert "--warmup_steps 8 is more than the 4 training steps: the learning rate only reaches 0.0005" in flax.stderr
-    assert "8 warm-up steps are more than the 4 training steps: the learning rate only reaches 0.0005" in torch.stdout + torch.stderr
+    assert (
+        "8 warm-up steps are more than the 4 training steps: the learning rate only reaches 0.0005"
+        in torch.stdout + torch.stderr
+    )
 
 
 def test_eval_alone_never_overwrites_results(request, corpus, tmp_path, tiny_model_dir):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "eval_results.json").write_text('{"eval_loss": 1.0}')
-    errors((flax_args(MLM, request, corpus, tmp_path / "a", "--do_eval"), "eval_results.json", "--overwrite_output_dir"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_eval", "--validation_file", str(corpus / "validation_slice.txt")),
-            "eval_results.json", "--overwrite_output_dir"))
+    errors(
+        (flax_args(MLM, request, corpus, tmp_path / "a", "--do_eval"), "eval_results.json", "--overwrite_output_dir"),
+        (
+            pytorch(
+                tiny_model_dir,
+                corpus,
+                tmp_path / "b",
+                "--do_eval",
+                "--validation_file",
+                str(corpus / "validation_slice.txt"),
+            ),
+            "eval_results.json",
+            "--overwrite_output_dir",
+        ),
+    )
     assert (tmp_path / "a" / "eval_results.json").read_text() == '{"eval_loss": 1.0}'
 
 
 def test_t5_refuses_a_tokenizer_without_sentinels(request, corpus, tmp_path, tiny_model_dir):
-    args = flax_args("flax/run_t5_mlm_flax.py", request, corpus, tmp_path / "a", "--do_train", "--tokenizer_name", str(tiny_model_dir))
+    args = flax_args(
+        "flax/run_t5_mlm_flax.py",
+        request,
+        corpus,
+        tmp_path / "a",
+        "--do_train",
+        "--tokenizer_name",
+        str(tiny_model_dir),
+    )
     errors((args, "no <extra_id_N> sentinel tokens", "tokenizers/train_tokenizer.py --tokenizer_type unigram"))
 
 
@@ -217,9 +427,11 @@ def test_a_second_run_into_the_same_output_dir_is_refused(request, corpus, tmp_p
         fcntl.flock(held[name], fcntl.LOCK_EX)
         held[name].write("pid 1234 on elsewhere\n")
         held[name].flush()
-    errors((mlm(request, corpus, tmp_path / "flax"), "another run (pid 1234 on elsewhere) is writing into"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "torch"), "another run (pid 1234 on elsewhere)"),
-           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "tf"), "another run (pid 1234 on elsewhere)"))
+    errors(
+        (mlm(request, corpus, tmp_path / "flax"), "another run (pid 1234 on elsewhere) is writing into"),
+        (pytorch(tiny_model_dir, corpus, tmp_path / "torch"), "another run (pid 1234 on elsewhere)"),
+        (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "tf"), "another run (pid 1234 on elsewhere)"),
+    )
     for lock in held.values():
         lock.close()
     stale = tmp_path / "stale"
@@ -230,32 +442,91 @@ def test_a_second_run_into_the_same_output_dir_is_refused(request, corpus, tmp_p
 
 
 def test_text_that_is_not_utf8_or_is_a_folder(request, corpus, tmp_path, files, tiny_model_dir):
-    errors((mlm(request, corpus, tmp_path / "a", train=files / "latin1.txt"), "is not UTF-8 text (byte 0xe9 on line 1)", "iconv"),
-           (mlm(request, corpus, tmp_path / "b", train=files / "binary.txt"), "is not UTF-8 text (byte 0x80 on line 3)"),
-           (mlm(request, corpus, tmp_path / "c", train=files / "a_folder.txt"), "is a directory"),
-           (mlm(request, corpus, tmp_path / "t5", train=files / "latin1.txt", script=SIBLINGS[1]), "is not UTF-8 text"),
-           (mlm(request, corpus, tmp_path / "bart", train=files / "binary.txt", script=SIBLINGS[2]), "is not UTF-8 text"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "d", train=files / "latin1.txt"), "is not UTF-8 text"),
-           (["tensorflow/train_unigram.py", "--train_file", str(files / "latin1.txt"), "--output_dir", str(tmp_path / "e")], "is not UTF-8"),
-           (["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(tiny_model_dir), "--train_file", str(files / "binary.txt"),
-             "--output_dir", str(tmp_path / "f")], "is not UTF-8"),
-           (["tokenizers/train_tokenizer.py", "--train_file", str(files / "a_folder.txt"), "--output_dir", str(tmp_path / "g")], "is a directory"))
+    errors(
+        (
+            mlm(request, corpus, tmp_path / "a", train=files / "latin1.txt"),
+            "is not UTF-8 text (byte 0xe9 on line 1)",
+            "iconv",
+        ),
+        (mlm(request, corpus, tmp_path / "b", train=files / "binary.txt"), "is not UTF-8 text (byte 0x80 on line 3)"),
+        (mlm(request, corpus, tmp_path / "c", train=files / "a_folder.txt"), "is a directory"),
+        (mlm(request, corpus, tmp_path / "t5", train=files / "latin1.txt", script=SIBLINGS[1]), "is not UTF-8 text"),
+        (mlm(request, corpus, tmp_path / "bart", train=files / "binary.txt", script=SIBLINGS[2]), "is not UTF-8 text"),
+        (pytorch(tiny_model_dir, corpus, tmp_path / "d", train=files / "latin1.txt"), "is not UTF-8 text"),
+        (
+            [
+                "tensorflow/train_unigram.py",
+                "--train_file",
+                str(files / "latin1.txt"),
+                "--output_dir",
+                str(tmp_path / "e"),
+            ],
+            "is not UTF-8",
+        ),
+        (
+            [
+                "tensorflow/prepare_tfrecord_shards.py",
+                "--tokenizer_name_or_path",
+                str(tiny_model_dir),
+                "--train_file",
+                str(files / "binary.txt"),
+                "--output_dir",
+                str(tmp_path / "f"),
+            ],
+            "is not UTF-8",
+        ),
+        (
+            [
+                "tokenizers/train_tokenizer.py",
+                "--train_file",
+                str(files / "a_folder.txt"),
+                "--output_dir",
+                str(tmp_path / "g"),
+            ],
+            "is a directory",
+        ),
+    )
 
 
 def test_text_too_short_to_split_off_validation(request, corpus, tmp_path, files, tiny_model_dir):
-    errors((mlm(request, corpus, tmp_path / "a", train=files / "short.txt"), "too short to split 5 % off", "--validation_file"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--do_eval", train=files / "short.txt"), "too short to split 5 % off"))
+    errors(
+        (
+            mlm(request, corpus, tmp_path / "a", train=files / "short.txt"),
+            "too short to split 5 % off",
+            "--validation_file",
+        ),
+        (
+            pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--do_eval", train=files / "short.txt"),
+            "too short to split 5 % off",
+        ),
+    )
 
 
 def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, tiny_model_dir, corpus_shards):
     no_config = str(files / "no_config")
-    errors((mlm(request, corpus, tmp_path / "a", "--config_name", no_config), f"--config_name {no_config} holds no config.json"),
-           (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--config_name", no_config), "holds no config.json"),
-           (["flax/run_bert_flax.py", "--config_name", no_config], "holds no config.json"),
-           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
-           (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)), "holds no TensorFlow weights"))
+    errors(
+        (
+            mlm(request, corpus, tmp_path / "a", "--config_name", no_config),
+            f"--config_name {no_config} holds no config.json",
+        ),
+        (
+            pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--config_name", no_config),
+            "holds no config.json",
+        ),
+        (["flax/run_bert_flax.py", "--config_name", no_config], "holds no config.json"),
+        (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
+        (
+            tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)),
+            "holds no TensorFlow weights",
+        ),
+    )
 
 
 def test_fill_mask_on_a_folder_without_tf_weights(trained_flax):
-    errors((["tensorflow/fill_mask.py", "--model_dir", str(trained_flax), "the <mask> fell"], "no TensorFlow or PyTorch weights",
-            "flax/export_to_pytorch.py"))
+    errors(
+        (
+            ["tensorflow/fill_mask.py", "--model_dir", str(trained_flax), "the <mask> fell"],
+            "no TensorFlow or PyTorch weights",
+            "flax/export_to_pytorch.py",
+        )
+    )

@@ -3,18 +3,26 @@
 import numpy as np
 import pytest
 import torch
-
 from conftest import check_ok, error_line, load_script, run
 
 TINY = {
-    "roberta": ("FlaxRobertaForMaskedLM", "AutoModelForMaskedLM",
-                "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64"),
+    "roberta": (
+        "FlaxRobertaForMaskedLM",
+        "AutoModelForMaskedLM",
+        "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64",
+    ),
     "gpt2": ("FlaxGPT2LMHeadModel", "AutoModelForCausalLM", "n_embd=32,n_layer=2,n_head=2,n_positions=64"),
-    "t5": ("FlaxT5ForConditionalGeneration", "AutoModelForSeq2SeqLM",
-           "d_model=32,d_kv=16,d_ff=64,num_layers=2,num_decoder_layers=2,num_heads=2"),
-    "bart": ("FlaxBartForConditionalGeneration", "AutoModelForSeq2SeqLM",
-             "d_model=32,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
-             "encoder_ffn_dim=64,decoder_ffn_dim=64,max_position_embeddings=64"),
+    "t5": (
+        "FlaxT5ForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
+        "d_model=32,d_kv=16,d_ff=64,num_layers=2,num_decoder_layers=2,num_heads=2",
+    ),
+    "bart": (
+        "FlaxBartForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
+        "d_model=32,encoder_layers=2,decoder_layers=2,encoder_attention_heads=2,decoder_attention_heads=2,"
+        "encoder_ffn_dim=64,decoder_ffn_dim=64,max_position_embeddings=64",
+    ),
 }
 
 
@@ -50,4 +58,5 @@ def test_pytorch_logits_equal_flax_logits(model_type, tmp_path):
 def test_export_bad_input(tmp_path, tiny_model_dir):
     assert "flax_model.msgpack" in error_line(
         run(["flax/export_to_pytorch.py", "--model_dir", str(tiny_model_dir), "--output_dir", str(tmp_path / "x")]),
-        "export_to_pytorch.py")
+        "export_to_pytorch.py",
+    )

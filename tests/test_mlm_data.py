@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import load_script
+from transformers import AutoTokenizer
 
 mlm = load_script("flax/run_mlm_flax.py", "run_mlm_flax")
 
@@ -31,13 +30,18 @@ def test_shapes_and_padding(masked):
     original, batch = masked
     assert batch["input_ids"].shape == batch["labels"].shape == original["input_ids"].shape
     assert batch["input_ids"].shape[1] % 16 == 0
-    assert (original["attention_mask"] == 0).any(), "the batch must contain padding for the tests below to mean anything"
+    assert (original["attention_mask"] == 0).any(), (
+        "the batch must contain padding for the tests below to mean anything"
+    )
 
 
 def protected_positions(original, tokenizer):
     """Added special tokens, padding, and special tokens written in the text (PTB's literal <unk>)."""
-    return (original["special_tokens_mask"].astype(bool) | (original["attention_mask"] == 0)
-            | np.isin(original["input_ids"], tokenizer.all_special_ids))
+    return (
+        original["special_tokens_mask"].astype(bool)
+        | (original["attention_mask"] == 0)
+        | np.isin(original["input_ids"], tokenizer.all_special_ids)
+    )
 
 
 def test_special_and_pad_tokens_are_never_selected(masked, tokenizer):
@@ -115,8 +119,10 @@ def test_batch_splits_keep_or_drop_the_remainder():
 
 
 def test_weight_decay_mask_skips_biases_and_layer_norms():
-    params = {"encoder": {"dense": {"kernel": 1, "bias": 2}, "LayerNorm": {"scale": 3, "bias": 4}},
-              "embeddings": {"word_embeddings": {"embedding": 5}}}
+    params = {
+        "encoder": {"dense": {"kernel": 1, "bias": 2}, "LayerNorm": {"scale": 3, "bias": 4}},
+        "embeddings": {"word_embeddings": {"embedding": 5}},
+    }
     mask = mlm.decay_mask_fn(params)
     assert mask["encoder"]["dense"] == {"kernel": True, "bias": False}
     assert mask["encoder"]["LayerNorm"] == {"scale": False, "bias": False}
@@ -150,3 +156,20 @@ def test_masks_depend_on_the_example_not_the_batch(tokenizer):
         pieces.update(collate(rows))
     assert pieces == whole
     assert sum(label != -100 for labels in whole.values() for label in labels) > 20
+
+
+def test_a_batch_of_new_shapes_is_logged_as_a_recompilation(caplog):
+    """Each new batch width compiles the train step again: the loop says so, with the shapes that changed."""
+    loop, calls = mlm.Loop(first_step=0), []
+
+    def step(state, batch):
+        calls.append(batch["labels"].shape)
+        return state, {}
+
+    with caplog.at_level("INFO"):
+        for width in (24, 24, 64, 24, 64):
+            mlm.timed_step(step, None, {"input_ids": np.zeros((1, 2, 64)), "labels": np.zeros((1, 2, width))}, loop)
+    again = [r.getMessage() for r in caplog.records if "compiles again" in r.getMessage()]
+    assert len(calls) == 5 and again == [
+        "the train step compiles again, for new batch shapes: labels (1, 2, 24) -> (1, 2, 64)"
+    ]

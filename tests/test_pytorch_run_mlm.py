@@ -10,18 +10,32 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import bad_input, check_ok, error_line, load_script, run, script_args
 
 SCRIPT = "pytorch/run_mlm.py"
 NO_DROPOUT = "hidden_dropout_prob=0,attention_probs_dropout_prob=0"
 # The XLA environment (bash run.sh setup-xla); `bash run.sh test` points XLA_PYTHON at it.
-XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-xla", "bin", "python"))
+XLA_PYTHON = os.environ.get(
+    "XLA_PYTHON",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-xla", "bin", "python"),
+)
 
 
 def mlm_args(model_dir, corpus, output_dir, *extra):
-    args = script_args(SCRIPT, "roberta", model_dir, corpus, output_dir, "--max_seq_length", "64", "--report_to", "none",
-                       "--disable_tqdm", "true", *extra)
+    args = script_args(
+        SCRIPT,
+        "roberta",
+        model_dir,
+        corpus,
+        output_dir,
+        "--max_seq_length",
+        "64",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    )
     args.remove("--model_type")
     args.remove("roberta")
     return args
@@ -39,9 +53,25 @@ def results(out, split):
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("pt") / "run"
-    args = mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
-                    "--learning_rate", "3e-3", "--warmup_steps", "10", "--max_steps", "60", "--logging_steps", "10",
-                    "--save_steps", "30")
+    args = mlm_args(
+        tiny_model_dir,
+        corpus,
+        out,
+        "--do_train",
+        "--do_eval",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "10",
+        "--max_steps",
+        "60",
+        "--logging_steps",
+        "10",
+        "--save_steps",
+        "30",
+    )
     return out, args, check_ok(run(args))
 
 
@@ -52,7 +82,9 @@ def test_trains_and_loss_falls(trained):
     train = results(out, "train")
     assert train["global_step"] == 60 and train["world_size"] == 1 and train["global_batch_size"] == 8
     metrics = results(out, "eval")
-    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_masked_tokens"] > 0.1 * metrics["eval_samples"] * 60
+    assert (
+        0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_masked_tokens"] > 0.1 * metrics["eval_samples"] * 60
+    )
     assert metrics["eval_loss"] < 6.5 and metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
 
@@ -64,11 +96,18 @@ def test_upstream_result_keys_read_as_upstream_tests_do(trained, tiny_model_dir,
     the end of training, with --prediction_loss_only (upstream's tests pass it) or without."""
     out, _, _ = trained
     module = load_script(SCRIPT, "pytorch_run_mlm_main")
-    monkeypatch.setattr(sys, "argv", mlm_args(tiny_model_dir, corpus, tmp_path / "eval", "--do_eval", "--model_name_or_path", str(out), *extra))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        mlm_args(tiny_model_dir, corpus, tmp_path / "eval", "--do_eval", "--model_name_or_path", str(out), *extra),
+    )
     module.main()
     metrics = json.loads((tmp_path / "eval" / "all_results.json").read_text())
     assert metrics["perplexity"] == metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
-    assert metrics["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-5) and "eval_accuracy" in metrics
+    assert (
+        metrics["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-5)
+        and "eval_accuracy" in metrics
+    )
 
 
 def test_resume_continues_exactly(trained, tmp_path):
@@ -106,7 +145,9 @@ def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
     again[again.index("--output_dir") + 1] = str(tmp_path / "eval")
     again[again.index("--config_name") + 1] = str(out)
     check_ok(run(again))
-    assert results(tmp_path / "eval", "eval")["eval_loss"] == pytest.approx(results(out, "eval")["eval_loss"], abs=1e-6)
+    assert results(tmp_path / "eval", "eval")["eval_loss"] == pytest.approx(
+        results(out, "eval")["eval_loss"], abs=1e-6
+    )
     assert results(tmp_path / "eval", "eval")["eval_accuracy"] == results(out, "eval")["eval_accuracy"]
 
 
@@ -114,9 +155,29 @@ def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
     """--streaming (an IterableDataset: needs --max_steps) with --line_by_line (one example per line,
     padded per batch): the other preprocessing path, end to end."""
     out = tmp_path / "stream"
-    result = check_ok(run(mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--streaming", "--line_by_line",
-                                   "--per_device_train_batch_size", "8", "--max_steps", "6", "--logging_steps", "3",
-                                   "--max_eval_samples", "40", "--save_strategy", "no")))
+    result = check_ok(
+        run(
+            mlm_args(
+                tiny_model_dir,
+                corpus,
+                out,
+                "--do_train",
+                "--do_eval",
+                "--streaming",
+                "--line_by_line",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_steps",
+                "6",
+                "--logging_steps",
+                "3",
+                "--max_eval_samples",
+                "40",
+                "--save_strategy",
+                "no",
+            )
+        )
+    )
     assert len(trainer_losses(result.stdout)) == 2 and results(out, "train")["global_step"] == 6
     metrics = results(out, "eval")
     # 40 lines of PTB, each one sequence: about 2-3 masked tokens a line
@@ -130,9 +191,26 @@ def equivalence(tiny_model_dir, corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("equiv")
 
     def args(name, batch, *extra):
-        return mlm_args(tiny_model_dir, corpus, root / name, "--do_train", "--do_eval", "--config_overrides", NO_DROPOUT,
-                        "--per_device_train_batch_size", str(batch), "--learning_rate", "3e-3", "--max_steps", "3",
-                        "--logging_steps", "1", "--save_strategy", "no", *extra)
+        return mlm_args(
+            tiny_model_dir,
+            corpus,
+            root / name,
+            "--do_train",
+            "--do_eval",
+            "--config_overrides",
+            NO_DROPOUT,
+            "--per_device_train_batch_size",
+            str(batch),
+            "--learning_rate",
+            "3e-3",
+            "--max_steps",
+            "3",
+            "--logging_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            *extra,
+        )
 
     single = check_ok(run(args("single", 8)))
     return root, args, trainer_losses(single.stdout)
@@ -148,7 +226,9 @@ def assert_same_run(root, name, log, expected_losses):
     assert trainer_losses(log) == pytest.approx(expected_losses, abs=1e-4)
     a, b = weights(root / "single"), weights(root / name)
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-4
-    assert results(root / name, "eval")["eval_loss"] == pytest.approx(results(root / "single", "eval")["eval_loss"], abs=1e-5)
+    assert results(root / name, "eval")["eval_loss"] == pytest.approx(
+        results(root / "single", "eval")["eval_loss"], abs=1e-5
+    )
 
 
 def test_gradient_accumulation_equals_the_larger_batch(equivalence):
@@ -163,7 +243,9 @@ def test_torchrun_two_processes_equals_one_process(equivalence):
     root, args, expected = equivalence
     result = check_ok(run(["-m", "torch.distributed.run", "--nproc_per_node", "2", *args("ddp", 4)]))
     assert result.stdout.count("world size: 2") == 2
-    assert results(root / "ddp", "train")["world_size"] == 2 and results(root / "ddp", "train")["global_batch_size"] == 8
+    assert (
+        results(root / "ddp", "train")["world_size"] == 2 and results(root / "ddp", "train")["global_batch_size"] == 8
+    )
     assert_same_run(root, "ddp", result.stdout, expected)
 
 
@@ -176,48 +258,66 @@ def test_bf16_autocast_on_cpu(equivalence):
     assert losses == pytest.approx(expected, abs=0.05) and losses[-1] < losses[0]
 
 
-@pytest.mark.skipif(not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
-                    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)")
+@pytest.mark.skipif(
+    not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
+    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)",
+)
 def test_xla_spawn_one_core_on_xla_cpu_matches_eager(equivalence):
     root, args, expected = equivalence
     cmd = args("xla", 8)
-    result = check_ok(run(["pytorch/xla_spawn.py", "--num_cores", "1", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON))
+    result = check_ok(
+        run(["pytorch/xla_spawn.py", "--num_cores", "1", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON)
+    )
     assert "device: xla:0" in result.stdout
     assert trainer_losses(result.stdout) == pytest.approx(expected, abs=5e-3)
-    assert results(root / "xla", "eval")["eval_loss"] == pytest.approx(results(root / "single", "eval")["eval_loss"], abs=5e-3)
+    assert results(root / "xla", "eval")["eval_loss"] == pytest.approx(
+        results(root / "single", "eval")["eval_loss"], abs=5e-3
+    )
 
 
-@pytest.mark.skipif(not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
-                    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)")
+@pytest.mark.skipif(
+    not os.path.exists(XLA_PYTHON) and not os.environ.get("CI"),
+    reason=f"no PyTorch/XLA environment at {XLA_PYTHON} (bash run.sh setup-xla)",
+)
 def test_xla_spawn_several_cores_without_tpu_fails_at_once(tiny_model_dir, corpus, tmp_path):
     cmd = mlm_args(tiny_model_dir, corpus, tmp_path / "out", "--do_train")
-    line = error_line(run(["pytorch/xla_spawn.py", "--num_cores", "2", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON),
-                      "xla_spawn.py")
+    line = error_line(
+        run(["pytorch/xla_spawn.py", "--num_cores", "2", *cmd], env={"PJRT_DEVICE": "CPU"}, python=XLA_PYTHON),
+        "xla_spawn.py",
+    )
     assert "--num_cores 2 needs a TPU" in line and "torchrun" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_xla_spawn_without_torch_xla(tiny_model_dir, corpus, tmp_path):
-    line = error_line(run(["pytorch/xla_spawn.py", "--num_cores", "1", *mlm_args(tiny_model_dir, corpus, tmp_path, "--do_train")]),
-                      "xla_spawn.py")
+    line = error_line(
+        run(["pytorch/xla_spawn.py", "--num_cores", "1", *mlm_args(tiny_model_dir, corpus, tmp_path, "--do_train")]),
+        "xla_spawn.py",
+    )
     assert "torch_xla is not installed" in line and "setup-xla" in line
 
 
 # --- the collator's masks ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def collator(tiny_model_dir):
     from transformers import AutoTokenizer
 
     module = load_script(SCRIPT, "pytorch_run_mlm")
-    return module.DataCollatorForMaskedLM(AutoTokenizer.from_pretrained(str(tiny_model_dir)), mlm_probability=0.15, seed=3)
+    return module.DataCollatorForMaskedLM(
+        AutoTokenizer.from_pretrained(str(tiny_model_dir)), mlm_probability=0.15, seed=3
+    )
 
 
 def features(tokenizer, n, length=64):
     rng = np.random.default_rng(0)
     ids = rng.integers(len(tokenizer.all_special_ids) + 5, tokenizer.vocab_size, size=(n, length))
     ids[:, 0], ids[:, -1] = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return [{"input_ids": list(map(int, row)), "attention_mask": [1] * length, "example_id": i} for i, row in enumerate(ids)]
+    return [
+        {"input_ids": list(map(int, row)), "attention_mask": [1] * length, "example_id": i}
+        for i, row in enumerate(ids)
+    ]
 
 
 def test_masking_rates_and_specials(collator):
@@ -252,10 +352,14 @@ def test_masks_depend_on_example_and_epoch_not_batch(collator):
 
 # --- bad input: one line, non-zero exit, nothing overwritten ---------------------------------------
 
+
 @pytest.fixture()
 def bad(tiny_model_dir, corpus, tmp_path):
-    return bad_input(lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
-                     "run_mlm.py", tmp_path / "out")
+    return bad_input(
+        lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
+        "run_mlm.py",
+        tmp_path / "out",
+    )
 
 
 def test_bad_files_and_flags(bad, tmp_path):

@@ -5,9 +5,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import (
+    TINY_BART,
+    TWO_DEVICES,
+    check_ok,
+    error_line,
+    eval_reloaded,
+    load_script,
+    logged_losses,
+    run,
+    script_args,
+)
 from transformers import AutoTokenizer
-
-from conftest import TINY_BART, TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, run, script_args
 
 SCRIPT = "flax/run_bart_dlm_flax.py"
 bart = load_script(SCRIPT, "run_bart_dlm_flax")
@@ -17,8 +26,22 @@ bart = load_script(SCRIPT, "run_bart_dlm_flax")
 def blocks(bart_dir, corpus, tmp_path_factory):
     """3,000 real blocks of 128 tokens (PTB, as the script packs them), from --dump_noised_examples."""
     out = tmp_path_factory.mktemp("dump")
-    args = script_args(SCRIPT, "bart", bart_dir, corpus, out, "--max_seq_length", "128", "--per_device_train_batch_size", "64",
-                       "--do_train", "--dump_noised_examples", "3000", "--mask_random", "0")
+    args = script_args(
+        SCRIPT,
+        "bart",
+        bart_dir,
+        corpus,
+        out,
+        "--max_seq_length",
+        "128",
+        "--per_device_train_batch_size",
+        "64",
+        "--do_train",
+        "--dump_noised_examples",
+        "3000",
+        "--mask_random",
+        "0",
+    )
     args[args.index("--train_file") + 1] = str(corpus / "train.txt")
     check_ok(run(args))
     rows = [json.loads(line) for line in (out / "noised_examples.jsonl").read_text().splitlines()]
@@ -53,10 +76,18 @@ def noise_properties(c, originals):
         lengths_in_words.append((starts & mask).sum() / max(kept, 1))
         spans, zero, drawn = spans + kept, zero + (lengths == 0).sum(), drawn + len(lengths)
         random_spans += kept - (noised == c.tokenizer.mask_token_id).sum()
-    return dict(share=np.mean(shares), share_std=np.std(shares), spans_per_100=100 * spans / sum(len(r) for r in originals),
-                tokens_per_span=sum(s * (~c.special[r]).sum() for s, r in zip(shares, originals, strict=True)) / spans,
-                words_per_span=np.mean(lengths_in_words), zero_share=zero / drawn, random_share=random_spans / spans,
-                over_budget=over_budget, spans=spans, drawn=drawn)
+    return dict(
+        share=np.mean(shares),
+        share_std=np.std(shares),
+        spans_per_100=100 * spans / sum(len(r) for r in originals),
+        tokens_per_span=sum(s * (~c.special[r]).sum() for s, r in zip(shares, originals, strict=True)) / spans,
+        words_per_span=np.mean(lengths_in_words),
+        zero_share=zero / drawn,
+        random_share=random_spans / spans,
+        over_budget=over_budget,
+        spans=spans,
+        drawn=drawn,
+    )
 
 
 def test_infilling_follows_fairseq(blocks):
@@ -115,7 +146,11 @@ def test_permutation_is_uniform_over_orders(bart_dir):
     assert len(counts) == 6 and all(sorted(order) == sorted(row) for order in counts)
     assert sum((n - 1000) ** 2 / 1000 for n in counts.values()) < 37.1, counts
     document_end = np.array([10, 11, tokenizer.eos_token_id, tokenizer.bos_token_id, 12, pad, 13])
-    assert [part.tolist() for part in c.sentences(document_end)] == [[10, 11, tokenizer.eos_token_id], [tokenizer.bos_token_id, 12, pad], [13]]
+    assert [part.tolist() for part in c.sentences(document_end)] == [
+        [10, 11, tokenizer.eos_token_id],
+        [tokenizer.bos_token_id, 12, pad],
+        [13],
+    ]
 
 
 def test_dump_labels_are_the_original_and_inputs_keep_its_order(blocks):
@@ -157,15 +192,37 @@ def test_labels_and_decoder_inputs(blocks):
 def test_sentence_splitter_works_offline_in_norwegian():
     from sentencex import segment
 
-    assert [s.strip() for s in segment("nb", "Dette er en test. Det var alt.")] == ["Dette er en test.", "Det var alt."]
+    assert [s.strip() for s in segment("nb", "Dette er en test. Det var alt.")] == [
+        "Dette er en test.",
+        "Det var alt.",
+    ]
 
 
 @pytest.fixture(scope="module")
 def trained(bart_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("bartrun")
-    args = script_args(SCRIPT, "bart", bart_dir, corpus, out, "--max_seq_length", "64", "--per_device_train_batch_size", "8",
-                       "--learning_rate", "3e-3", "--warmup_steps", "10", "--num_train_epochs", "1", "--logging_steps", "10",
-                       "--do_train", "--do_eval", "--overwrite_output_dir")
+    args = script_args(
+        SCRIPT,
+        "bart",
+        bart_dir,
+        corpus,
+        out,
+        "--max_seq_length",
+        "64",
+        "--per_device_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_steps",
+        "10",
+        "--num_train_epochs",
+        "1",
+        "--logging_steps",
+        "10",
+        "--do_train",
+        "--do_eval",
+        "--overwrite_output_dir",
+    )
     return out, args, check_ok(run(args, env=TWO_DEVICES))
 
 
@@ -184,13 +241,30 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
 
 def test_bad_input(bart_dir, corpus, tmp_path):
     base = script_args(SCRIPT, "bart", bart_dir, corpus, tmp_path / "o", "--do_train")
-    assert "--permute_sentence_ratio" in error_line(run(base + ["--permute_sentence_ratio", "2"]), "run_bart_dlm_flax.py")
+    assert "--permute_sentence_ratio" in error_line(
+        run(base + ["--permute_sentence_ratio", "2"]), "run_bart_dlm_flax.py"
+    )
     short = tmp_path / "short"
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "bart", "--tokenizer_name", str(bart_dir), "--output_dir",
-                  str(short), "--config_overrides", TINY_BART + ",max_position_embeddings=32"]))
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "bart",
+                "--tokenizer_name",
+                str(bart_dir),
+                "--output_dir",
+                str(short),
+                "--config_overrides",
+                TINY_BART + ",max_position_embeddings=32",
+            ]
+        )
+    )
     short_args = list(base) + ["--max_seq_length", "64"]
     short_args[short_args.index("--config_name") + 1] = str(short)
-    assert "--max_seq_length 64 is longer than the model's 32 positions" in error_line(run(short_args), "run_bart_dlm_flax.py")
+    assert "--max_seq_length 64 is longer than the model's 32 positions" in error_line(
+        run(short_args), "run_bart_dlm_flax.py"
+    )
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_bart_dlm_flax.py")
     assert not (tmp_path / "o").exists()

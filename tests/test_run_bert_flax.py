@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from conftest import check_ok, error_line, run
 
 TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64"
@@ -12,9 +11,28 @@ TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_si
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_reports_throughput(precision, tmp_path):
     out = tmp_path / "r.json"
-    result = check_ok(run(["flax/run_bert_flax.py", "--precision", precision, "--config_overrides", TINY,
-                           "--batch_size", "4", "--seq_length", "16", "--num_warmup", "2", "--num_iterations", "5",
-                           "--output_file", str(out)], env={"LM_CPU_BF16": "0"}))
+    result = check_ok(
+        run(
+            [
+                "flax/run_bert_flax.py",
+                "--precision",
+                precision,
+                "--config_overrides",
+                TINY,
+                "--batch_size",
+                "4",
+                "--seq_length",
+                "16",
+                "--num_warmup",
+                "2",
+                "--num_iterations",
+                "5",
+                "--output_file",
+                str(out),
+            ],
+            env={"LM_CPU_BF16": "0"},
+        )
+    )
     r = json.loads(out.read_text())
     assert r["precision"] == precision and r["num_iterations"] == 5
     assert 0 < r["min_s"] <= r["median_s"] < r["warmup_s"] + 1.0
@@ -27,15 +45,15 @@ def test_reports_throughput(precision, tmp_path):
 
 def test_bad_input():
     assert "--seq_length" in error_line(run(["flax/run_bert_flax.py", "--seq_length", "0"]), "run_bert_flax.py")
-    assert "positions" in error_line(run(["flax/run_bert_flax.py", "--seq_length", "1024", "--config_overrides", TINY]),
-                                     "run_bert_flax.py")
+    assert "positions" in error_line(
+        run(["flax/run_bert_flax.py", "--seq_length", "1024", "--config_overrides", TINY]), "run_bert_flax.py"
+    )
 
 
 def test_bfloat16_outputs_close_to_float32():
     """The bf16 path (bf16 weights and activations, dense layers as bf16 x bf16 -> f32 products) gives the
     float32 model's hidden states within bf16's precision: relative error (Frobenius) below 2 %."""
     import numpy as np
-
     from conftest import load_script
 
     bert = load_script("flax/run_bert_flax.py", "run_bert_flax")

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import TWO_DEVICES, bad_input, check_ok, load_script, logged_losses, run, script_args
 
 SCRIPT = "flax/run_clm_flax.py"
@@ -19,9 +18,29 @@ def clm_args(model_dir, corpus, output_dir, *extra):
 @pytest.fixture(scope="module")
 def trained(gpt2_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("clm")
-    result = check_ok(run(clm_args(gpt2_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
-                                   "--learning_rate", "3e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
-                                   "--logging_steps", "10", "--overwrite_output_dir"), env=TWO_DEVICES))
+    result = check_ok(
+        run(
+            clm_args(
+                gpt2_dir,
+                corpus,
+                out,
+                "--do_train",
+                "--do_eval",
+                "--per_device_train_batch_size",
+                "8",
+                "--learning_rate",
+                "3e-3",
+                "--warmup_steps",
+                "10",
+                "--num_train_epochs",
+                "1",
+                "--logging_steps",
+                "10",
+                "--overwrite_output_dir",
+            ),
+            env=TWO_DEVICES,
+        )
+    )
     return out, result
 
 
@@ -66,13 +85,20 @@ def test_padding_is_masked_out_of_the_loss():
     logits = rng.normal(size=(2, 6, 11)).astype("f4")
     ids = rng.integers(0, 11, size=(2, 6)).astype("i4")
     full = np.ones_like(ids)
-    loss, acc, count = (float(x) for x in clm.clm_sums(logits, ids, full))
+
+    def sums(logits, ids, mask):  # the objective's loss_sums on a model that returns `logits`
+        out = clm.loss_sums(
+            lambda **_: (logits,), None, {"input_ids": ids, "attention_mask": mask}, None, False, False
+        )
+        return [float(x) for x in (out["loss"][0], out["accuracy"][0], out["loss"][1])]
+
+    loss, acc, count = sums(logits, ids, full)
     assert count == 10
     # The same rows with three padding positions appended (any logits, any ids): nothing changes.
     pad_logits = np.concatenate([logits, rng.normal(size=(2, 3, 11)).astype("f4")], axis=1)
     pad_ids = np.concatenate([ids, rng.integers(0, 11, size=(2, 3)).astype("i4")], axis=1)
     pad_mask = np.concatenate([full, np.zeros((2, 3), "i4")], axis=1)
-    padded = [float(x) for x in clm.clm_sums(pad_logits, pad_ids, pad_mask)]
+    padded = sums(pad_logits, pad_ids, pad_mask)
     assert padded == pytest.approx([loss, acc, count], rel=1e-6)
     # And the loss is the mean next-token cross-entropy over real positions.
     logp = logits[:, :-1] - np.log(np.exp(logits[:, :-1]).sum(-1, keepdims=True))
@@ -81,12 +107,27 @@ def test_padding_is_masked_out_of_the_loss():
 
 
 def test_bad_input(gpt2_dir, corpus, tmp_path):
-    bad = bad_input(lambda out, *extra: clm_args(gpt2_dir, corpus, out, "--do_train", *extra), "run_clm_flax.py", tmp_path / "out")
+    bad = bad_input(
+        lambda out, *extra: clm_args(gpt2_dir, corpus, out, "--do_train", *extra), "run_clm_flax.py", tmp_path / "out"
+    )
 
     assert "does not exist" in bad(train_file=tmp_path / "missing.txt")
     short = tmp_path / "short"
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "gpt2", "--tokenizer_name", str(gpt2_dir),
-                  "--config_overrides", "n_embd=64,n_layer=2,n_head=2,n_positions=32", "--output_dir", str(short)]))
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "gpt2",
+                "--tokenizer_name",
+                str(gpt2_dir),
+                "--config_overrides",
+                "n_embd=64,n_layer=2,n_head=2,n_positions=32",
+                "--output_dir",
+                str(short),
+            ]
+        )
+    )
     assert "--block_size 64 is longer than the model's 32 positions" in bad("--config_name", str(short))
     busy = tmp_path / "busy"
     busy.mkdir()

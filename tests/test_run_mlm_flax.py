@@ -5,7 +5,6 @@ import math
 import os
 
 import pytest
-
 from conftest import ROOT, TWO_DEVICES, bad_input, check_ok, logged_losses, run, script_args
 
 SCRIPT = "flax/run_mlm_flax.py"
@@ -18,9 +17,31 @@ def mlm_args(model_dir, corpus, output_dir, *extra):
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("mlm")
-    result = check_ok(run(mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--per_device_train_batch_size", "8",
-                                   "--learning_rate", "3e-3", "--warmup_steps", "20", "--num_train_epochs", "2",
-                                   "--logging_steps", "20", "--save_steps", "100", "--overwrite_output_dir"), env=TWO_DEVICES))
+    result = check_ok(
+        run(
+            mlm_args(
+                tiny_model_dir,
+                corpus,
+                out,
+                "--do_train",
+                "--do_eval",
+                "--per_device_train_batch_size",
+                "8",
+                "--learning_rate",
+                "3e-3",
+                "--warmup_steps",
+                "20",
+                "--num_train_epochs",
+                "2",
+                "--logging_steps",
+                "20",
+                "--save_steps",
+                "100",
+                "--overwrite_output_dir",
+            ),
+            env=TWO_DEVICES,
+        )
+    )
     return out, result
 
 
@@ -93,9 +114,27 @@ def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, 
         files[split] = tmp_path / f"{split}.json"
         files[split].write_text("".join(json.dumps({"id": i, "text": line}) + "\n" for i, line in enumerate(lines)))
     out = tmp_path / "out"
-    args = mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", "--line_by_line", "--pad_to_max_length",
-                    "--adafactor", "--dtype", "bfloat16", "--gradient_checkpointing", "--per_device_train_batch_size", "16",
-                    "--max_steps", "8", "--logging_steps", "4", "--learning_rate", "1e-3")
+    args = mlm_args(
+        tiny_model_dir,
+        corpus,
+        out,
+        "--do_train",
+        "--do_eval",
+        "--line_by_line",
+        "--pad_to_max_length",
+        "--adafactor",
+        "--dtype",
+        "bfloat16",
+        "--gradient_checkpointing",
+        "--per_device_train_batch_size",
+        "16",
+        "--max_steps",
+        "8",
+        "--logging_steps",
+        "4",
+        "--learning_rate",
+        "1e-3",
+    )
     args[args.index("--train_file") + 1] = str(files["train"])
     args[args.index("--validation_file") + 1] = str(files["validation"])
     args[0], args[args.index("--output_dir") + 1] = os.path.join(ROOT, args[0]), "out"
@@ -104,17 +143,23 @@ def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, 
     metrics = json.loads((out / "eval_results.json").read_text())
     assert math.isfinite(metrics["eval_loss"])
     # line by line: one example per non-empty validation line, each padded to 64 tokens
-    assert metrics["eval_samples"] == sum(1 for line in (corpus / "validation_slice.txt").read_text().splitlines()[:100] if line.strip())
+    assert metrics["eval_samples"] == sum(
+        1 for line in (corpus / "validation_slice.txt").read_text().splitlines()[:100] if line.strip()
+    )
     train_results = json.loads((out / "train_results.json").read_text())
     assert train_results["global_step"] == 8 and train_results["max_seq_length"] == 64
 
 
 # --- bad input: one line, non-zero exit, nothing overwritten ---------------------------------------
 
+
 @pytest.fixture()
 def bad(tiny_model_dir, corpus, tmp_path):
-    return bad_input(lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
-                     "run_mlm_flax.py", tmp_path / "out")
+    return bad_input(
+        lambda out, *extra: mlm_args(tiny_model_dir, corpus, out, "--do_train", "--do_eval", *extra),
+        "run_mlm_flax.py",
+        tmp_path / "out",
+    )
 
 
 def test_missing_train_file(bad, tmp_path):
@@ -146,7 +191,19 @@ def test_output_dir_not_empty(bad, tmp_path):
 
 def test_config_vocab_smaller_than_tokenizer(bad, tiny_model_dir, tmp_path):
     small = tmp_path / "small_config"
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--vocab_size", "500", "--output_dir", str(small)]))
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--vocab_size",
+                "500",
+                "--output_dir",
+                str(small),
+            ]
+        )
+    )
     line = bad("--config_name", str(small))
     assert "vocab_size" in line and "500" in line
 
@@ -158,8 +215,21 @@ def test_batch_size_not_positive_or_larger_than_data(bad):
 
 def test_max_seq_length_beyond_model_positions(bad, tiny_model_dir, tmp_path):
     short = tmp_path / "short_config"
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(tiny_model_dir),
-                  "--config_overrides", "max_position_embeddings=34", "--output_dir", str(short)]))
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--tokenizer_name",
+                str(tiny_model_dir),
+                "--config_overrides",
+                "max_position_embeddings=34",
+                "--output_dir",
+                str(short),
+            ]
+        )
+    )
     line = bad("--config_name", str(short))
     assert "--max_seq_length 64" in line and "32 positions" in line
 

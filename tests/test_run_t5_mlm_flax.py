@@ -4,9 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, run, script_args
+from transformers import AutoTokenizer
 
 SCRIPT = "flax/run_t5_mlm_flax.py"
 t5 = load_script(SCRIPT, "run_t5_mlm_flax")
@@ -14,14 +13,30 @@ t5 = load_script(SCRIPT, "run_t5_mlm_flax")
 
 def make_collator(tokenizer, length, density, span):
     expanded, targets = t5.compute_input_and_target_lengths(length, density, span)
-    collator = t5.FlaxDataCollatorForT5MLM(tokenizer=tokenizer, noise_density=density, mean_noise_span_length=span,
-                                           input_length=length, target_length=targets, pad_token_id=0, decoder_start_token_id=0)
+    collator = t5.FlaxDataCollatorForT5MLM(
+        tokenizer=tokenizer,
+        noise_density=density,
+        mean_noise_span_length=span,
+        input_length=length,
+        target_length=targets,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+    )
     return collator, expanded, targets
 
 
 # The last three: length x density rounds to 0 noise tokens (T5's mask then takes one; its length helper did not).
-SETTINGS = [(64, 0.15, 3.0), (128, 0.15, 3.0), (512, 0.15, 3.0), (100, 0.3, 2.0), (37, 0.5, 1.0), (256, 0.15, 8.0),
-            (8, 0.05, 3.0), (11, 0.05, 3.0), (4, 0.15, 3.0)]
+SETTINGS = [
+    (64, 0.15, 3.0),
+    (128, 0.15, 3.0),
+    (512, 0.15, 3.0),
+    (100, 0.3, 2.0),
+    (37, 0.5, 1.0),
+    (256, 0.15, 8.0),
+    (8, 0.05, 3.0),
+    (11, 0.05, 3.0),
+    (4, 0.15, 3.0),
+]
 
 
 @pytest.mark.parametrize("length,density,span", SETTINGS)
@@ -85,9 +100,29 @@ def test_lengths_match_t5():
 @pytest.fixture(scope="module")
 def trained(t5_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("t5run")
-    args = script_args(SCRIPT, "t5", t5_dir, corpus, out, "--max_seq_length", "64", "--per_device_train_batch_size", "8",
-                       "--adafactor", "--learning_rate", "5e-3", "--warmup_steps", "10", "--num_train_epochs", "1",
-                       "--logging_steps", "10", "--do_train", "--do_eval", "--overwrite_output_dir")
+    args = script_args(
+        SCRIPT,
+        "t5",
+        t5_dir,
+        corpus,
+        out,
+        "--max_seq_length",
+        "64",
+        "--per_device_train_batch_size",
+        "8",
+        "--adafactor",
+        "--learning_rate",
+        "5e-3",
+        "--warmup_steps",
+        "10",
+        "--num_train_epochs",
+        "1",
+        "--logging_steps",
+        "10",
+        "--do_train",
+        "--do_eval",
+        "--overwrite_output_dir",
+    )
     return out, args, check_ok(run(args, env=TWO_DEVICES))
 
 
@@ -99,7 +134,9 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
     assert len(losses) >= 5 and losses[-1] < losses[0] - 2.0, losses
     metrics = json.loads((out / "eval_results.json").read_text())
     assert metrics["eval_loss"] < np.log(1100) and 0.05 < metrics["eval_accuracy"] < 1.0
-    assert metrics["eval_target_tokens"] == metrics["eval_samples"] * 14  # every target token of every block (targets_length 14)
+    assert (
+        metrics["eval_target_tokens"] == metrics["eval_samples"] * 14
+    )  # every target token of every block (targets_length 14)
     # Reload the checkpoint on one device and evaluate the same spans: the same loss.
     reloaded = eval_reloaded(args, out, tmp_path / "again")
     assert reloaded["eval_target_tokens"] == metrics["eval_target_tokens"]
@@ -107,10 +144,21 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
 
 
 def test_bad_input(t5_dir, corpus, tmp_path):
-    base = [SCRIPT, "--output_dir", str(tmp_path / "o"), "--config_name", str(t5_dir), "--tokenizer_name", str(t5_dir),
-            "--train_file", str(corpus / "train_slice.txt"), "--do_train"]
-    assert "does not exist" in error_line(run(base[:-3] + ["--train_file", str(tmp_path / "nope.txt"), "--do_train"]),
-                                          "run_t5_mlm_flax.py")
+    base = [
+        SCRIPT,
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--config_name",
+        str(t5_dir),
+        "--tokenizer_name",
+        str(t5_dir),
+        "--train_file",
+        str(corpus / "train_slice.txt"),
+        "--do_train",
+    ]
+    assert "does not exist" in error_line(
+        run(base[:-3] + ["--train_file", str(tmp_path / "nope.txt"), "--do_train"]), "run_t5_mlm_flax.py"
+    )
     assert "--mlm_probability" in error_line(run(base + ["--mlm_probability", "1.5"]), "run_t5_mlm_flax.py")
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_t5_mlm_flax.py")
@@ -118,7 +166,18 @@ def test_bad_input(t5_dir, corpus, tmp_path):
 
 def test_more_noise_spans_than_sentinels_is_refused(t5_dir, corpus, tmp_path):
     """Density 0.5, spans of 3 and 512 inputs make 128 spans, more than the tokenizer's 100 sentinels."""
-    args = script_args(SCRIPT, "t5", t5_dir, corpus, tmp_path / "o", "--max_seq_length", "512", "--mlm_probability", "0.5", "--do_train")
+    args = script_args(
+        SCRIPT,
+        "t5",
+        t5_dir,
+        corpus,
+        tmp_path / "o",
+        "--max_seq_length",
+        "512",
+        "--mlm_probability",
+        "0.5",
+        "--do_train",
+    )
     line = error_line(run(args), "run_t5_mlm_flax.py")
     assert "makes 128 noise spans per block, but the tokenizer has 100 <extra_id_N> sentinels" in line
     assert not (tmp_path / "o").exists()
@@ -126,12 +185,26 @@ def test_more_noise_spans_than_sentinels_is_refused(t5_dir, corpus, tmp_path):
 
 def test_dump_noised_examples(t5_dir, corpus, tmp_path):
     """The first rows of the first epoch in training order, each rebuilt exactly from its input and target."""
-    args = script_args(SCRIPT, "t5", t5_dir, corpus, tmp_path, "--max_seq_length", "32", "--per_device_train_batch_size", "4",
-                       "--do_train", "--dump_noised_examples", "10")
+    args = script_args(
+        SCRIPT,
+        "t5",
+        t5_dir,
+        corpus,
+        tmp_path,
+        "--max_seq_length",
+        "32",
+        "--per_device_train_batch_size",
+        "4",
+        "--do_train",
+        "--dump_noised_examples",
+        "10",
+    )
     check_ok(run(args))
     rows = [json.loads(line) for line in (tmp_path / "noised_examples.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and [r["batch"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 2
-    assert [r["row"] for r in rows[:4]] == sorted(r["row"] for r in rows[:4])  # a batch's rows in the order training uses
+    assert [r["row"] for r in rows[:4]] == sorted(
+        r["row"] for r in rows[:4]
+    )  # a batch's rows in the order training uses
     eos = AutoTokenizer.from_pretrained(t5_dir).eos_token_id
     for r in rows:
         assert len(r["input_ids"]) == 32 and r["input_ids"][-1] == r["labels"][-1] == eos

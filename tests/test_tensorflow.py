@@ -9,7 +9,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import TINY_ROBERTA, check_ok, error_line, load_script, run
 
 MAX_LENGTH = 64
@@ -19,21 +18,76 @@ OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
 @pytest.fixture(scope="module")
 def prepared(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("tf")
-    check_ok(run(["tensorflow/train_unigram.py", "--train_file", str(corpus / "train.txt"), "--vocab_size", "2000",
-                  "--output_dir", str(root / "tokenizer")]))
+    check_ok(
+        run(
+            [
+                "tensorflow/train_unigram.py",
+                "--train_file",
+                str(corpus / "train.txt"),
+                "--vocab_size",
+                "2000",
+                "--output_dir",
+                str(root / "tokenizer"),
+            ]
+        )
+    )
     for split in ("train", "validation"):
-        check_ok(run(["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(root / "tokenizer"),
-                      "--train_file", str(corpus / f"{split}_slice.txt"), "--split", split, "--max_length", str(MAX_LENGTH),
-                      "--shard_size", "500", "--output_dir", str(root / "shards")]))
-    check_ok(run(["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(root / "tokenizer"),
-                  "--config_overrides", TINY_ROBERTA, "--output_dir", str(root / "config")]))
+        check_ok(
+            run(
+                [
+                    "tensorflow/prepare_tfrecord_shards.py",
+                    "--tokenizer_name_or_path",
+                    str(root / "tokenizer"),
+                    "--train_file",
+                    str(corpus / f"{split}_slice.txt"),
+                    "--split",
+                    split,
+                    "--max_length",
+                    str(MAX_LENGTH),
+                    "--shard_size",
+                    "500",
+                    "--output_dir",
+                    str(root / "shards"),
+                ]
+            )
+        )
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--tokenizer_name",
+                str(root / "tokenizer"),
+                "--config_overrides",
+                TINY_ROBERTA,
+                "--output_dir",
+                str(root / "config"),
+            ]
+        )
+    )
     return root
 
 
 def mlm_args(root, output_dir, *extra):
-    return ["tensorflow/run_mlm.py", "--pretrained_model_config", str(root / "config"), "--tokenizer", str(root / "tokenizer"),
-            "--train_dataset", str(root / "shards" / "train"), "--eval_dataset", str(root / "shards" / "validation"),
-            "--max_length", str(MAX_LENGTH), "--learning_rate", "3e-3", "--output_dir", str(output_dir), *extra]
+    return [
+        "tensorflow/run_mlm.py",
+        "--pretrained_model_config",
+        str(root / "config"),
+        "--tokenizer",
+        str(root / "tokenizer"),
+        "--train_dataset",
+        str(root / "shards" / "train"),
+        "--eval_dataset",
+        str(root / "shards" / "validation"),
+        "--max_length",
+        str(MAX_LENGTH),
+        "--learning_rate",
+        "3e-3",
+        "--output_dir",
+        str(output_dir),
+        *extra,
+    ]
 
 
 def test_tokenizer_loads_with_the_walkthrough_specials(prepared):
@@ -68,8 +122,9 @@ def test_tf_and_pytorch_roberta_agree_with_this_tokenizer(prepared, tmp_path):
 
 
 def test_shard_names_counts_and_contents(prepared, corpus):
-    import tensorflow as tf
     from transformers import AutoTokenizer
+
+    import tensorflow as tf
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     lines = [line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()]
@@ -84,11 +139,16 @@ def test_shard_names_counts_and_contents(prepared, corpus):
     assert all(names) and [int(m.group(1)) for m in names] == list(range(len(shards)))
     counts = [int(m.group(2)) for m in names]
     assert sum(counts) == expected and all(c == 500 for c in counts[:-1]) and 0 < counts[-1] <= 500
-    assert (prepared / "shards" / "split-train-records-count.txt").read_text().strip() == f"Total train records: {expected}"
+    assert (
+        prepared / "shards" / "split-train-records-count.txt"
+    ).read_text().strip() == f"Total train records: {expected}"
     records = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset([str(p) for p in shards])]
     assert len(records) == expected
     first, last = records[0].features.feature, records[-1].features.feature
-    assert list(first["input_ids"].int64_list.value) == blocks[0] and list(last["input_ids"].int64_list.value) == blocks[-1]
+    assert (
+        list(first["input_ids"].int64_list.value) == blocks[0]
+        and list(last["input_ids"].int64_list.value) == blocks[-1]
+    )
     assert list(first["attention_mask"].int64_list.value) == [1] * MAX_LENGTH
 
 
@@ -97,7 +157,9 @@ def mirrored(prepared):
     """No --no_tpu: the TPU lookup fails on this machine and the script falls back to MirroredStrategy
     over 2 logical CPU devices."""
     out = prepared / "mirrored"
-    result = check_ok(run(mlm_args(prepared, out, "--num_cpu_devices", "2", "--num_epochs", "3", "--per_replica_batch_size", "16")))
+    result = check_ok(
+        run(mlm_args(prepared, out, "--num_cpu_devices", "2", "--num_epochs", "3", "--per_replica_batch_size", "16"))
+    )
     return out, result.stdout + result.stderr
 
 
@@ -132,29 +194,69 @@ def test_steps_schedule_and_tensorboard_from_given_weights(mirrored, prepared, t
     trained, _ = mirrored
     out = tmp_path / "steps"
     for folder in (out, tmp_path / "again"):
-        check_ok(run(mlm_args(prepared, folder, "--no_tpu", "--model_name_or_path", str(trained), "--per_replica_batch_size", "128",
-                              "--max_steps", "16", "--eval_steps", "6", "--warmup_steps", "8", "--full_determinism")))
+        check_ok(
+            run(
+                mlm_args(
+                    prepared,
+                    folder,
+                    "--no_tpu",
+                    "--model_name_or_path",
+                    str(trained),
+                    "--per_replica_batch_size",
+                    "128",
+                    "--max_steps",
+                    "16",
+                    "--eval_steps",
+                    "6",
+                    "--warmup_steps",
+                    "8",
+                    "--full_determinism",
+                )
+            )
+        )
     train = json.loads((out / "train_results.json").read_text())
     assert train["train_loss"] == json.loads((tmp_path / "again" / "train_results.json").read_text())["train_loss"]
-    assert train["train_steps"] == 16 and train["epochs"] == pytest.approx(16 * 128 / train["train_samples"]) and train["epochs"] > 1
+    assert (
+        train["train_steps"] == 16
+        and train["epochs"] == pytest.approx(16 * 128 / train["train_samples"])
+        and train["epochs"] > 1
+    )
     (events,) = (out / "runs").rglob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
     accumulator.Reload()
-    scalars = {tag: {e.step: float(make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)} for tag in accumulator.Tags()["tensors"]}
+    scalars = {
+        tag: {e.step: float(make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)}
+        for tag in accumulator.Tags()["tensors"]
+    }
     assert {"train/loss", "train/accuracy", "train/learning_rate", "eval/loss", "eval/accuracy"} <= set(scalars)
     assert list(scalars["eval/loss"]) == [6, 12, 16]
-    assert scalars["eval/loss"][16] == pytest.approx(json.loads((out / "eval_results.json").read_text())["eval_loss"], rel=1e-6)
+    assert scalars["eval/loss"][16] == pytest.approx(
+        json.loads((out / "eval_results.json").read_text())["eval_loss"], rel=1e-6
+    )
     # Linear warm-up to the peak over 8 steps, then linear decay to 0 at step 16.
-    assert [scalars["train/learning_rate"][step] for step in (6, 12, 16)] == pytest.approx([3e-3 * 6 / 8, 3e-3 * 4 / 8, 0.0], abs=1e-9)
+    assert [scalars["train/learning_rate"][step] for step in (6, 12, 16)] == pytest.approx(
+        [3e-3 * 6 / 8, 3e-3 * 4 / 8, 0.0], abs=1e-9
+    )
     # It started from the trained weights: a fresh model is near log(vocabulary) after 6 steps.
     assert scalars["eval/loss"][6] < math.log(2000) - 1.0
 
 
 def test_fill_mask_returns_k_scored_predictions(mirrored):
     out, _ = mirrored
-    result = check_ok(run(["tensorflow/fill_mask.py", "--model_dir", str(out), "--top_k", "3", "--json",
-                           "the company said its [MASK] rose"]))
-    predictions = json.loads(result.stdout[result.stdout.index("["):])[0]["masks"][0]
+    result = check_ok(
+        run(
+            [
+                "tensorflow/fill_mask.py",
+                "--model_dir",
+                str(out),
+                "--top_k",
+                "3",
+                "--json",
+                "the company said its [MASK] rose",
+            ]
+        )
+    )
+    predictions = json.loads(result.stdout[result.stdout.index("[") :])[0]["masks"][0]
     scores = [p["score"] for p in predictions]
     assert len(predictions) == 3 and scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0 + 1e-6
     assert all(p["token"] and p["token"] not in ("[MASK]", "<pad>") for p in predictions)
@@ -162,7 +264,11 @@ def test_fill_mask_returns_k_scored_predictions(mirrored):
 
 def test_one_device_with_jit_compile(prepared):
     out = prepared / "xla"
-    result = check_ok(run(mlm_args(prepared, out, "--no_tpu", "--jit_compile", "--num_epochs", "1", "--per_replica_batch_size", "16")))
+    result = check_ok(
+        run(
+            mlm_args(prepared, out, "--no_tpu", "--jit_compile", "--num_epochs", "1", "--per_replica_batch_size", "16")
+        )
+    )
     log = result.stdout + result.stderr
     assert "No TPU found" not in log and "Strategy: OneDeviceStrategy with 1 replica(s)" in log
     train = json.loads((out / "train_results.json").read_text())
@@ -171,14 +277,16 @@ def test_one_device_with_jit_compile(prepared):
 
 # --- masking and metrics, in process ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def script():
     return load_script("tensorflow/run_mlm.py", "tf_run_mlm")
 
 
 def test_masking_rate_and_80_10_10(script, prepared):
-    import tensorflow as tf
     from transformers import AutoTokenizer
+
+    import tensorflow as tf
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     rng = np.random.default_rng(0)
@@ -187,7 +295,9 @@ def test_masking_rate_and_80_10_10(script, prepared):
     attention = np.ones_like(ids)
     attention[:, -8:] = 0
     ids[:, -8:] = tokenizer.pad_token_id
-    batch = script.make_mask_fn(tokenizer, 0.15)({"input_ids": tf.constant(ids), "attention_mask": tf.constant(attention)})
+    batch = script.make_mask_fn(tokenizer, 0.15)(
+        {"input_ids": tf.constant(ids), "attention_mask": tf.constant(attention)}
+    )
     inputs, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
     selected = labels != -100
     assert not selected[:, [0, 10, 20]].any() and not selected[:, -8:].any()
@@ -195,7 +305,10 @@ def test_masking_rate_and_80_10_10(script, prepared):
     assert abs(selected.sum() / maskable - 0.15) < 4 * math.sqrt(0.15 * 0.85 / maskable)
     assert (labels[selected] == ids[selected]).all() and (inputs[~selected] == ids[~selected]).all()
     n = selected.sum()
-    for share, expected in (((inputs[selected] == tokenizer.mask_token_id).mean(), 0.8), ((inputs[selected] == ids[selected]).mean(), 0.1)):
+    for share, expected in (
+        ((inputs[selected] == tokenizer.mask_token_id).mean(), 0.8),
+        ((inputs[selected] == ids[selected]).mean(), 0.1),
+    ):
         assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / n), share
 
 
@@ -223,40 +336,75 @@ def test_masked_metrics_match_a_hand_computation(script):
 
 # --- bad input: one line, non-zero exit ---------------------------------------------------------------
 
+
 def test_bad_shards(prepared, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(empty))), "run_mlm.py")
+    line = error_line(
+        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(empty))), "run_mlm.py"
+    )
     assert "no .tfrecord files found" in line
     unnamed = tmp_path / "unnamed"
     unnamed.mkdir()
     shutil.copy(next((prepared / "shards" / "train").glob("*.tfrecord")), unnamed / "data.tfrecord")
-    assert "-<shard>-<count>.tfrecord" in error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(unnamed))), "run_mlm.py")
+    assert "-<shard>-<count>.tfrecord" in error_line(
+        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(unnamed))), "run_mlm.py"
+    )
     line = error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_length", "128")), "run_mlm.py")
     assert "sequences of 64 tokens" in line and "--max_length is 128" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_tokenizer_and_hub_offline(prepared, tmp_path):
-    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--tokenizer", str(tmp_path / "no-tokenizer")), env=OFFLINE), "run_mlm.py")
+    line = error_line(
+        run(mlm_args(prepared, tmp_path / "out", "--tokenizer", str(tmp_path / "no-tokenizer")), env=OFFLINE),
+        "run_mlm.py",
+    )
     assert "--tokenizer" in line and "no-tokenizer" in line
     # an empty tokenizer folder fails after the strategy is chosen: --bfloat16 on a CPU without bf16 instructions warned first
     (tmp_path / "empty").mkdir()
-    result = run(mlm_args(prepared, tmp_path / "out2", "--no_tpu", "--bfloat16", "--tokenizer", str(tmp_path / "empty")),
-                 env={**OFFLINE, "LM_CPU_BF16": "0"})
-    assert "cannot load the tokenizer" in error_line(result, "run_mlm.py") and result.stderr.count("--bfloat16: this CPU") == 1
-    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--hub_model_id", "me/tiny"), env=OFFLINE), "run_mlm.py")
+    result = run(
+        mlm_args(prepared, tmp_path / "out2", "--no_tpu", "--bfloat16", "--tokenizer", str(tmp_path / "empty")),
+        env={**OFFLINE, "LM_CPU_BF16": "0"},
+    )
+    assert (
+        "cannot load the tokenizer" in error_line(result, "run_mlm.py")
+        and result.stderr.count("--bfloat16: this CPU") == 1
+    )
+    line = error_line(
+        run(mlm_args(prepared, tmp_path / "out", "--hub_model_id", "me/tiny"), env=OFFLINE), "run_mlm.py"
+    )
     assert "--hub_model_id" in line and "unreachable" in line
-    line = error_line(run(["tensorflow/train_unigram.py", "--dataset_name", "wikitext", "--output_dir", str(tmp_path / "tok")], env=OFFLINE),
-                      "train_unigram.py")
+    line = error_line(
+        run(
+            ["tensorflow/train_unigram.py", "--dataset_name", "wikitext", "--output_dir", str(tmp_path / "tok")],
+            env=OFFLINE,
+        ),
+        "train_unigram.py",
+    )
     assert "--train_file" in line
 
 
 def test_shards_are_not_overwritten(prepared, corpus):
     before = sorted(p.name for p in (prepared / "shards" / "validation").iterdir())
-    line = error_line(run(["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", str(prepared / "tokenizer"),
-                           "--train_file", str(corpus / "train_slice.txt"), "--split", "validation",
-                           "--max_length", "32", "--output_dir", str(prepared / "shards")]), "prepare_tfrecord_shards.py")
+    line = error_line(
+        run(
+            [
+                "tensorflow/prepare_tfrecord_shards.py",
+                "--tokenizer_name_or_path",
+                str(prepared / "tokenizer"),
+                "--train_file",
+                str(corpus / "train_slice.txt"),
+                "--split",
+                "validation",
+                "--max_length",
+                "32",
+                "--output_dir",
+                str(prepared / "shards"),
+            ]
+        ),
+        "prepare_tfrecord_shards.py",
+    )
     assert "--overwrite_output_dir" in line
     assert sorted(p.name for p in (prepared / "shards" / "validation").iterdir()) == before
 

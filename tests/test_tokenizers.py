@@ -4,9 +4,8 @@ import json
 import os
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer
-
 from conftest import TINY_ROBERTA, check_ok, error_line, load_script, run
+from transformers import AutoConfig, AutoTokenizer
 
 create_config = load_script("tokenizers/create_config.py", "create_config")
 
@@ -22,8 +21,20 @@ def test_ptb_splits_have_the_standard_sizes(corpus):
 
 
 def test_norwegian_handbook_drops_english_paragraphs(tmp_path):
-    result = check_ok(run(["tokenizers/prepare_corpus.py", "--corpus", "nb_handbook", "--output_dir", str(tmp_path),
-                           "--cache_dir", str(tmp_path / "cache")], timeout=600))
+    result = check_ok(
+        run(
+            [
+                "tokenizers/prepare_corpus.py",
+                "--corpus",
+                "nb_handbook",
+                "--output_dir",
+                str(tmp_path),
+                "--cache_dir",
+                str(tmp_path / "cache"),
+            ],
+            timeout=600,
+        )
+    )
     train = (tmp_path / "train.txt").read_text()
     validation = (tmp_path / "validation.txt").read_text()
     assert 600_000 < len(train) < 900_000 and 20_000 < len(validation) < 60_000, result.stdout
@@ -47,27 +58,72 @@ def test_byte_level_bpe_loads_with_auto_tokenizer(tiny_model_dir):
 
 def test_tokenizer_bad_input(tmp_path, corpus):
     out = tmp_path / "tok"
-    error_line(run(["tokenizers/train_tokenizer.py", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(out)]),
-               "train_tokenizer.py")
+    error_line(
+        run(
+            ["tokenizers/train_tokenizer.py", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(out)]
+        ),
+        "train_tokenizer.py",
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    line = error_line(run(["tokenizers/train_tokenizer.py", "--train_file", str(empty), "--output_dir", str(out)]), "train_tokenizer.py")
+    line = error_line(
+        run(["tokenizers/train_tokenizer.py", "--train_file", str(empty), "--output_dir", str(out)]),
+        "train_tokenizer.py",
+    )
     assert "empty" in line
     assert not out.exists()
     out.mkdir()
     (out / "tokenizer.json").write_text("keep me")
-    line = error_line(run(["tokenizers/train_tokenizer.py", "--train_file", str(corpus / "validation_slice.txt"), "--output_dir", str(out)]),
-                      "train_tokenizer.py")
+    line = error_line(
+        run(
+            [
+                "tokenizers/train_tokenizer.py",
+                "--train_file",
+                str(corpus / "validation_slice.txt"),
+                "--output_dir",
+                str(out),
+            ]
+        ),
+        "train_tokenizer.py",
+    )
     assert "--overwrite_output_dir" in line and (out / "tokenizer.json").read_text() == "keep me"
 
 
-@pytest.mark.parametrize("model_type,expected", [
-    ("roberta", dict(hidden_size=768, num_hidden_layers=12, max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5, vocab_size=50265)),
-    ("gpt2", dict(n_embd=768, n_layer=12, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=50257)),
-    ("t5", dict(d_model=768, d_ff=2048, num_layers=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=32128)),
-    ("bart", dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_ffn_dim=3072, vocab_size=50265)),
-    ("bert", dict(hidden_size=768, num_hidden_layers=12, max_position_embeddings=512, type_vocab_size=2, vocab_size=30522)),
-])
+@pytest.mark.parametrize(
+    "model_type,expected",
+    [
+        (
+            "roberta",
+            dict(
+                hidden_size=768,
+                num_hidden_layers=12,
+                max_position_embeddings=514,
+                type_vocab_size=1,
+                layer_norm_eps=1e-5,
+                vocab_size=50265,
+            ),
+        ),
+        ("gpt2", dict(n_embd=768, n_layer=12, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=50257)),
+        (
+            "t5",
+            dict(
+                d_model=768,
+                d_ff=2048,
+                num_layers=12,
+                feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False,
+                vocab_size=32128,
+            ),
+        ),
+        ("bart", dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_ffn_dim=3072, vocab_size=50265)),
+        (
+            "bert",
+            dict(
+                hidden_size=768, num_hidden_layers=12, max_position_embeddings=512, type_vocab_size=2, vocab_size=30522
+            ),
+        ),
+    ],
+)
 def test_reference_configs(model_type, expected, tmp_path):
     create_config.main(["--model_type", model_type, "--output_dir", str(tmp_path)])
     config = AutoConfig.from_pretrained(tmp_path)
@@ -85,17 +141,44 @@ def test_config_follows_tokenizer_and_overrides(tiny_model_dir):
 
 
 def test_config_bad_input(tmp_path):
-    line = error_line(run(["tokenizers/create_config.py", "--model_type", "roberta", "--output_dir", str(tmp_path),
-                           "--config_overrides", "hiden_size=3"]), "create_config.py")
+    line = error_line(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--output_dir",
+                str(tmp_path),
+                "--config_overrides",
+                "hiden_size=3",
+            ]
+        ),
+        "create_config.py",
+    )
     assert "hiden_size" in line and not os.path.exists(tmp_path / "config.json")
     (tmp_path / "config.json").write_text("{}")
-    error_line(run(["tokenizers/create_config.py", "--model_type", "bert", "--output_dir", str(tmp_path)]), "create_config.py")
+    error_line(
+        run(["tokenizers/create_config.py", "--model_type", "bert", "--output_dir", str(tmp_path)]), "create_config.py"
+    )
     assert (tmp_path / "config.json").read_text() == "{}"
 
 
 def test_unigram_t5_tokenizer(corpus, tmp_path):
-    check_ok(run(["tokenizers/train_tokenizer.py", "--tokenizer_type", "unigram", "--train_file", str(corpus / "train_slice.txt"),
-                  "--vocab_size", "800", "--output_dir", str(tmp_path)]))
+    check_ok(
+        run(
+            [
+                "tokenizers/train_tokenizer.py",
+                "--tokenizer_type",
+                "unigram",
+                "--train_file",
+                str(corpus / "train_slice.txt"),
+                "--vocab_size",
+                "800",
+                "--output_dir",
+                str(tmp_path),
+            ]
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert type(tokenizer).__name__ == "T5TokenizerFast"
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
@@ -108,4 +191,6 @@ def test_unigram_t5_tokenizer(corpus, tmp_path):
     assert ids[-1] == 1 and ids.count(1) == 1  # </s> appended once
     assert "4" in tokens and "2" in tokens and "42" not in tokens and "▁42" not in tokens  # individual digits
     assert "." in tokens  # punctuation split off
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "the market fell 42 points."  # lowercased, spaces collapsed
+    assert (
+        tokenizer.decode(ids, skip_special_tokens=True) == "the market fell 42 points."
+    )  # lowercased, spaces collapsed

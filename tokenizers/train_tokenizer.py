@@ -27,8 +27,9 @@ import shutil
 import sys
 import tempfile
 
-from tokenizers import ByteLevelBPETokenizer, processors
 from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
+
+from tokenizers import ByteLevelBPETokenizer, processors
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
@@ -86,12 +87,22 @@ def batch_iterator(paths, batch_size=1000):
 def train_byte_level_bpe(paths, num_lines, vocab_size, min_frequency, model_max_length, model_type):
     tokenizer = ByteLevelBPETokenizer()
     tokenizer.train_from_iterator(
-        batch_iterator(paths), vocab_size=vocab_size, min_frequency=min_frequency,
-        special_tokens=SPECIAL_TOKENS, show_progress=True, length=(num_lines + 999) // 1000,
+        batch_iterator(paths),
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=True,
+        length=(num_lines + 999) // 1000,
     )
     if model_type == "gpt2":
-        return GPT2TokenizerFast(tokenizer_object=tokenizer._tokenizer, model_max_length=model_max_length, bos_token="<s>",
-                                 eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+        return GPT2TokenizerFast(
+            tokenizer_object=tokenizer._tokenizer,
+            model_max_length=model_max_length,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="<pad>",
+        )
     tokenizer.post_processor = processors.RobertaProcessing(
         sep=("</s>", tokenizer.token_to_id("</s>")), cls=("<s>", tokenizer.token_to_id("<s>"))
     )
@@ -105,11 +116,19 @@ def train_unigram(paths, num_lines, vocab_size, model_max_length, num_sentinels=
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tokenizer = module.SentencePieceUnigramTokenizer(unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
-    tokenizer.train_from_iterator(batch_iterator(paths), vocab_size=vocab_size, show_progress=True,
-                                  length=(num_lines + 999) // 1000)
+    tokenizer.train_from_iterator(
+        batch_iterator(paths), vocab_size=vocab_size, show_progress=True, length=(num_lines + 999) // 1000
+    )
     sentinels = [f"<extra_id_{i}>" for i in reversed(range(num_sentinels))]
-    return T5TokenizerFast(tokenizer_object=tokenizer._tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
-                           extra_ids=num_sentinels, additional_special_tokens=sentinels, model_max_length=model_max_length)
+    return T5TokenizerFast(
+        tokenizer_object=tokenizer._tokenizer,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_ids=num_sentinels,
+        additional_special_tokens=sentinels,
+        model_max_length=model_max_length,
+    )
 
 
 def main(argv=None):
@@ -119,16 +138,25 @@ def main(argv=None):
     parser.add_argument("--train_file", action="append", required=True, help="text file; repeat for several")
     parser.add_argument("--vocab_size", type=int, default=50265)
     parser.add_argument("--min_frequency", type=int, default=2)
-    parser.add_argument("--model_type", choices=["roberta", "gpt2"], default="roberta",
-                        help="the model the tokenizer is for: roberta adds <s> ... </s>, gpt2 adds nothing")
-    parser.add_argument("--model_max_length", type=int,
-                        help="longest sequence the model takes (default: roberta 512, gpt2 1024, unigram/T5 512)")
+    parser.add_argument(
+        "--model_type",
+        choices=["roberta", "gpt2"],
+        default="roberta",
+        help="the model the tokenizer is for: roberta adds <s> ... </s>, gpt2 adds nothing",
+    )
+    parser.add_argument(
+        "--model_max_length",
+        type=int,
+        help="longest sequence the model takes (default: roberta 512, gpt2 1024, unigram/T5 512)",
+    )
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--overwrite_output_dir", action="store_true")
     args = parser.parse_args(argv)
 
     if args.tokenizer_type == "byte_level_bpe" and args.vocab_size < len(SPECIAL_TOKENS) + 256:
-        fail(f"--vocab_size {args.vocab_size} is too small: a byte-level BPE needs at least {len(SPECIAL_TOKENS) + 256}")
+        fail(
+            f"--vocab_size {args.vocab_size} is too small: a byte-level BPE needs at least {len(SPECIAL_TOKENS) + 256}"
+        )
     if args.tokenizer_type == "unigram" and args.vocab_size < 10:
         fail(f"--vocab_size {args.vocab_size} is too small for a unigram tokenizer")
     if os.path.exists(os.path.join(args.output_dir, "tokenizer.json")) and not args.overwrite_output_dir:
@@ -140,7 +168,9 @@ def main(argv=None):
         tokenizer = train_unigram(args.train_file, num_lines, args.vocab_size, args.model_max_length or 512)
     else:
         max_length = args.model_max_length or {"roberta": 512, "gpt2": 1024}[args.model_type]
-        tokenizer = train_byte_level_bpe(args.train_file, num_lines, args.vocab_size, args.min_frequency, max_length, args.model_type)
+        tokenizer = train_byte_level_bpe(
+            args.train_file, num_lines, args.vocab_size, args.min_frequency, max_length, args.model_type
+        )
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer.save_pretrained(args.output_dir)
     print(f"Saved a {len(tokenizer):,}-token {args.tokenizer_type} tokenizer to {args.output_dir}")
