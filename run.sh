@@ -50,7 +50,8 @@ case "${1:-}" in
   setup) setup ;;
   setup-xla) setup_xla ;;
   main) setup; main_job ;;
-  # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once).
-  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile "$@" ;;
+  # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once), longest first
+  # (tests/conftest.py).
+  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
   *) echo "usage: bash run.sh {main|test|setup|setup-xla}" >&2; exit 2 ;;
 esac

@@ -640,6 +640,11 @@ def machine_info():
     }
 
 
+def rounds(modes, repeats):
+    """The order the modes run in: interleaved rounds (A B C A B C), so that drift hits all alike."""
+    return [[r, name] for r in range(repeats) for name in modes]
+
+
 def summarize(name, results, flops, peaks, warmup_steps, size):
     """One mode's row from its repeats: the median over repeats of each repeat's median step, with the range."""
     framework, precision, what = MODES[name]
@@ -679,14 +684,21 @@ def per_round(a, b):
 
 
 def write_outputs(out, report):
+    """results.json, results.md (the tables) and results.png (the bar charts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    lines = modes_table(report) + other_tables(report)
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    plot_modes(plt, out, report)
+
+
+def modes_table(report):
+    """results.md's title, the run's setting and the table of the modes: its lines."""
     rows = report["modes"]
-    ok = [r for r in rows if "step_ms" in r]
     w = report["workload"]
     lines = [
         f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
@@ -724,7 +736,12 @@ def write_outputs(out, report):
                 f"| {r['mode']} | {r['precision']} | {r['what']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |"
                 + " |" * 7
             )
-    lines += ["", "## Goals", ""]
+    return lines
+
+
+def other_tables(report):
+    """results.md after the modes: the goals, the matrix-multiply peaks, preprocessing and inference; its lines."""
+    lines = ["", "## Goals", ""]
     for goal in report["goals"]:
         lines.append(f"- {goal}")
     lines += ["", "## Matrix multiply (GFLOP/s)", "", "| framework | fp32 | bf16 |", "| --- | ---: | ---: |"]
@@ -765,8 +782,13 @@ def write_outputs(out, report):
                 if "skipped" in r
                 else f"| {precision} | failed: {r.get('error')} | |"
             )
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    return lines
 
+
+def plot_modes(plt, out, report):
+    """results.png: tokens/s and MFU of the modes that ran, with their range over the repeats."""
+    ok = [r for r in report["modes"] if "step_ms" in r]
+    w = report["workload"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["mode"] for r in ok]
     colors = [
@@ -1014,11 +1036,7 @@ def end_to_end(args, work, size, config_dir, bar):
     for split, lines in (("train", args.preprocess_lines), ("validation", max(args.preprocess_lines // 10, 200))):
         text = (corpus / f"{split}.txt").read_text().splitlines(keepends=True)
         files[split].write_text("".join(text[:lines]))
-    bar.set_postfix_str("initial weights")
-    res = run_worker({"kind": "init", "config_dir": str(config_dir), "init_dir": str(files["init"])}, work)
-    if "error" in res:
-        fail(f"creating the initial weights failed: {res['error']}")
-    bar.update(1)
+    make_initial_weights(config_dir, files["init"], work, bar)
     rows = []
     for name in args.modes_e2e:
         bar.set_postfix_str(name)
@@ -1154,7 +1172,8 @@ def run_end_to_end(args, out, work, size, argv):
     print(f"Wrote {out / 'results.md'}, results.json and curves.png in {report['runtime_s']:.0f} s")
 
 
-def main(argv=None):
+def build_parser():
+    """The command line: the benchmark's flags, and --worker for its own subprocesses."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", help="Where results.{md,json,png} (and a work/ cache) go.")
     parser.add_argument(
@@ -1217,12 +1236,12 @@ def main(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker)
-    if not args.output_dir:
-        fail("--output_dir is required")
+    return parser
 
+
+def resolve_args(args):
+    """Fill in the defaults that depend on --quick and --end_to_end, check the flags, mark the bf16 modes to skip;
+    return the modes to run and the model and batch size."""
     args.size = args.size or ("tiny" if args.quick else "base")
     args.steps = args.steps or ((20 if args.quick else 300) if args.end_to_end else (8 if args.quick else 20))
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
@@ -1245,23 +1264,11 @@ def main(argv=None):
     if "flax_pmap" in modes and size["batch_size"] % args.flax_devices:
         fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
     args.skipped = slow_bf16(modes, {m: known[m][1] for m in modes}, named=args.modes is not None)
-    native_bf16 = not cpu_bf16()[1].startswith("none")
-    out = Path(args.output_dir)
-    work = out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    if args.end_to_end:
-        args.modes_e2e, args.eval_steps = modes, args.eval_steps or max(args.steps // 4, 1)
-        return run_end_to_end(args, out, work, size, argv)
+    return modes, size
 
-    from tqdm import tqdm
 
-    frameworks = ("torch", "jax", "tensorflow")
-    total = 2 + len(frameworks) + 1 + len(modes) * args.repeats + (0 if args.no_inference else 2)
-    bar = tqdm(total=total, desc="benchmark", unit="task")
-    started = time.perf_counter()
-    bar.set_postfix_str("corpus, tokenizer, config, preprocessing")
-    config_dir, batches_path, preprocessing = prepare_data(work, args, size, bar)
-
+def measure_matmul(args, frameworks, native_bf16, work, bar):
+    """The matrix-multiply GFLOP/s of every framework and the peak per precision: the report's "matmul"."""
     n = 1024 if args.quick else 4096
     matmul = {}
     for fw in frameworks:
@@ -1286,20 +1293,22 @@ def main(argv=None):
             + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items())
         )
     peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16") if all(p in v for v in measured)}
+    return {"n": n, "frameworks": matmul, "peak": peaks}
 
+
+def make_initial_weights(config_dir, init_dir, work, bar):
+    """The initial weights every mode starts from, in each framework's format, in init_dir."""
     bar.set_postfix_str("initial weights")
-    init_dir = work / f"init-{args.size}"
     res = run_worker({"kind": "init", "config_dir": str(config_dir), "init_dir": str(init_dir)}, work)
     if "error" in res:
         fail(f"creating the initial weights failed: {res['error']}")
     bar.update(1)
 
-    config = json.loads((config_dir / "config.json").read_text())
-    flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
-    results, schedule, versions = {name: [] for name in modes}, [], {}
-    for round_index, name in (
-        (r, name) for r in range(args.repeats) for name in modes
-    ):  # interleaved: drift hits all alike
+
+def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
+    """Every mode --repeats times, interleaved round-robin, each in its own worker: their results and versions."""
+    results, versions = {name: [] for name in modes}, {}
+    for round_index, name in rounds(modes, args.repeats):
         bar.set_postfix_str(f"{name} ({round_index + 1}/{args.repeats})")
         spec = {
             "kind": "train",
@@ -1325,65 +1334,68 @@ def main(argv=None):
             result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))
         results[name].append(result)
-        schedule.append([round_index, name])
         bar.update(1)
-    rows = [summarize(name, results[name], flops, peaks, args.warmup_steps, size) for name in modes]
+    return results, versions
 
+
+def run_inference(args, modes, native_bf16, work, bar):
+    """flax/run_bert_flax.py in float32 and bfloat16 (skipped on a CPU without bf16 instructions unless a bf16 mode
+    was named): the report's "inference"."""
     inference = {}
-    if not args.no_inference:
-        setup = (
-            [
-                "--batch_size",
-                "8",
-                "--seq_length",
-                "64",
-                "--num_warmup",
-                "1",
-                "--num_iterations",
-                "3",
-                "--config_overrides",
-                "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512",
-            ]
-            if args.quick
-            else ["--num_warmup", "2", "--num_iterations", "10"]
-        )
-        inference["setup"] = (
-            "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
-        )
-        for precision in ("float32", "bfloat16"):
-            if precision == "bfloat16" and not (
-                native_bf16 or any(MODES[m][1] == "bf16" for m in modes if m not in args.skipped)
-            ):
-                inference[precision] = {
-                    "skipped": "this CPU has no bf16 instructions; name a bf16 mode in --modes to run it anyway"
-                }
-                bar.update(1)
-                continue
-            bar.set_postfix_str(f"inference {precision}")
-            path = work / f"bert-{precision}.json"
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "flax/run_bert_flax.py",
-                    "--precision",
-                    precision,
-                    "--output_file",
-                    str(path),
-                    *setup,
-                ],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode == 0 and path.is_file():
-                inference[precision] = json.loads(path.read_text())
-            else:
-                inference[precision] = {
-                    "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
-                }
+    setup = (
+        [
+            "--batch_size",
+            "8",
+            "--seq_length",
+            "64",
+            "--num_warmup",
+            "1",
+            "--num_iterations",
+            "3",
+            "--config_overrides",
+            "hidden_size=128,num_hidden_layers=2,num_attention_heads=2,intermediate_size=512",
+        ]
+        if args.quick
+        else ["--num_warmup", "2", "--num_iterations", "10"]
+    )
+    inference["setup"] = "tiny BERT, batch 8 x 64, 3 calls" if args.quick else "bert-base, batch 32 x 128, 10 calls"
+    for precision in ("float32", "bfloat16"):
+        if precision == "bfloat16" and not (
+            native_bf16 or any(MODES[m][1] == "bf16" for m in modes if m not in args.skipped)
+        ):
+            inference[precision] = {
+                "skipped": "this CPU has no bf16 instructions; name a bf16 mode in --modes to run it anyway"
+            }
             bar.update(1)
-    bar.close()
+            continue
+        bar.set_postfix_str(f"inference {precision}")
+        path = work / f"bert-{precision}.json"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "flax/run_bert_flax.py",
+                "--precision",
+                precision,
+                "--output_file",
+                str(path),
+                *setup,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode == 0 and path.is_file():
+            inference[precision] = json.loads(path.read_text())
+        else:
+            inference[precision] = {
+                "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
+            }
+        bar.update(1)
+    return inference
 
+
+def build_report(args, argv, modes, size, config, flops, matmul, preprocessing, rows, inference, versions, started):
+    """Everything results.{md,json,png} are made of, the goals included."""
     import transformers
 
     versions["transformers"] = transformers.__version__
@@ -1394,7 +1406,7 @@ def main(argv=None):
         "machine": machine_info(),
         "versions": versions,
         "xla_flags": args.xla_flags,
-        "schedule": schedule,
+        "schedule": rounds(modes, args.repeats),
         "workload": {
             "size": args.size,
             **size,
@@ -1407,13 +1419,51 @@ def main(argv=None):
             "weight_decay": WEIGHT_DECAY,
             "config": config,
         },
-        "matmul": {"n": n, "frameworks": matmul, "peak": peaks},
+        "matmul": matmul,
         "preprocessing": preprocessing,
         "modes": rows,
         "inference": inference,
         "runtime_s": time.perf_counter() - started,
     }
-    report["goals"] = goals(rows, peaks, report["machine"])
+    report["goals"] = goals(rows, matmul["peak"], report["machine"])
+    return report
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if not args.output_dir:
+        fail("--output_dir is required")
+    modes, size = resolve_args(args)
+    native_bf16 = not cpu_bf16()[1].startswith("none")
+    out = Path(args.output_dir)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.end_to_end:
+        args.modes_e2e, args.eval_steps = modes, args.eval_steps or max(args.steps // 4, 1)
+        return run_end_to_end(args, out, work, size, argv)
+
+    from tqdm import tqdm
+
+    frameworks = ("torch", "jax", "tensorflow")
+    total = 2 + len(frameworks) + 1 + len(modes) * args.repeats + (0 if args.no_inference else 2)
+    bar = tqdm(total=total, desc="benchmark", unit="task")
+    started = time.perf_counter()
+    bar.set_postfix_str("corpus, tokenizer, config, preprocessing")
+    config_dir, batches_path, preprocessing = prepare_data(work, args, size, bar)
+    matmul = measure_matmul(args, frameworks, native_bf16, work, bar)
+    init_dir = work / f"init-{args.size}"
+    make_initial_weights(config_dir, init_dir, work, bar)
+    config = json.loads((config_dir / "config.json").read_text())
+    flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
+    results, versions = train_modes(args, modes, config_dir, init_dir, batches_path, work, bar)
+    rows = [summarize(name, results[name], flops, matmul["peak"], args.warmup_steps, size) for name in modes]
+    inference = {} if args.no_inference else run_inference(args, modes, native_bf16, work, bar)
+    bar.close()
+    report = build_report(
+        args, argv, modes, size, config, flops, matmul, preprocessing, rows, inference, versions, started
+    )
     write_outputs(out, report)
     print((out / "results.md").read_text())
     print(f"Wrote {out / 'results.md'}, results.json and results.png in {report['runtime_s']:.0f} s")

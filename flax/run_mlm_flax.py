@@ -57,6 +57,7 @@ import optax
 import orbax.checkpoint as ocp
 import transformers
 from datasets import load_dataset
+from etils import epath
 from flax.training import train_state
 from jax import lax
 from tqdm import tqdm
@@ -154,6 +155,7 @@ MODEL_TYPES = tuple(config.model_type for config in transformers.FLAX_MODEL_FOR_
 OBJECTIVE = "masked-LM"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
 SCORED_TOKENS = "masked_tokens"  # what the loss is averaged over, in the results' key names
+LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
 # These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
 OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
 
@@ -361,6 +363,15 @@ def masked_lm_logits(model, params, batch, bf16, **kwargs):
     return logits
 
 
+def build_model(model_args, training_args, config, abstract):
+    """The model and its parameters, from --model_name_or_path or new from the config (see init_model)."""
+    return init_model(MODEL_CLASS, config, model_args.model_name_or_path, model_args, training_args, abstract)
+
+
+def save_model(model, params, output_dir):
+    model.save_pretrained(output_dir, params=params)
+
+
 def loss_sums(model, params, batch, rng, train, bf16):
     """Named (sum, count) pairs over the masked positions: cross-entropy and correct predictions."""
     batch = dict(batch)
@@ -417,12 +428,12 @@ def main(argv=None):
 
     last_eval = None
     if training_args.do_train:
-        if jax.process_index() == 0:
-            clear_checkpoints(training_args.output_dir, fresh_start=checkpoint is None)
+        run.checkpoints = open_checkpoints(training_args, fresh_start=checkpoint is None)
         train_step = make_train_step(model, schedule, bf16, training_args.seed)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             state, train_metrics, last_eval = train(state, train_step, run, progress)
         write_results(training_args.output_dir, "train", {**train_metrics, LENGTH_FLAG: max_seq_length})
+        run.checkpoints.close()
     params = state.params
     del state  # evaluation needs no optimizer state
     if training_args.do_eval:
@@ -437,42 +448,9 @@ def main(argv=None):
 
 
 def build_train_state(model_args, training_args, config, plan, abstract=False):
-    """The model and its train state (parameters, optimizer state, step) on the host, with the learning-rate
-    schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into.
-    --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is
-    upstream's model dtype."""
-    dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
-    # _do_init=False: the model object keeps no copy of the weights beside the train state's.
-    hub_kwargs = dict(
-        cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code
-    )
-    if model_args.model_name_or_path and not abstract:
-        try:
-            model, params = MODEL_CLASS.from_pretrained(
-                model_args.model_name_or_path,
-                config=config,
-                seed=training_args.seed,
-                dtype=dtype,
-                _do_init=False,
-                **hub_kwargs,
-            )
-        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
-            fail(
-                f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {first_line(e)}); "
-                "is its weights file complete?"
-            )
-    else:
-        model = MODEL_CLASS.from_config(
-            config,
-            seed=training_args.seed,
-            dtype=dtype,
-            _do_init=False,
-            trust_remote_code=model_args.trust_remote_code,
-        )
-        init = functools.partial(model.init_weights, model.key, model.input_shape)
-        params = jax.eval_shape(init) if abstract else init()
-    if training_args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+    """The model (build_model) and its train state (parameters, optimizer state, step) on the host, with the
+    learning-rate schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into."""
+    model, params = build_model(model_args, training_args, config, abstract)
     schedule = create_learning_rate_fn(
         max(plan.total_steps, 1), training_args.warmup_steps, training_args.learning_rate
     )
@@ -488,7 +466,7 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
             weight_decay=training_args.weight_decay,
             mask=decay_mask_fn,
         )
-    create = functools.partial(train_state.TrainState.create, apply_fn=model.__call__, tx=optimizer)
+    create = functools.partial(train_state.TrainState.create, apply_fn=None, tx=optimizer)
     state = jax.eval_shape(create, params=params) if abstract else create(params=params)
     return model, state, schedule
 
@@ -502,9 +480,15 @@ def make_train_step(model, schedule, bf16, seed):
 
     def loss_fn(params, batch, dropout_rng):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
-        return sums["loss"][0], sums
+        return {name: sums[name][0] for name in LOSS_TERMS}, sums
 
-    grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=save_all_but_transcendentals), has_aux=True)
+    loss_fn = jax.checkpoint(loss_fn, policy=save_all_but_transcendentals)
+
+    def grads_fn(params, batch, rng):
+        """loss_sums' sums, and the gradient of each loss term's sum (one backward pass each, one forward)."""
+        terms, vjp_fn, sums = jax.vjp(lambda p: loss_fn(p, batch, rng), params, has_aux=True)
+        basis = {name: {other: jnp.ones_like(v) * (other == name) for other, v in terms.items()} for name in terms}
+        return sums, {name: vjp_fn(cotangent)[0] for name, cotangent in basis.items()}
 
     def train_step(state, batch):
         # Dropout keys from (seed, step, device, micro-batch): a resumed run draws what an uninterrupted one drew.
@@ -512,18 +496,23 @@ def make_train_step(model, schedule, bf16, seed):
 
         def micro_step(totals, micro):
             index, micro_batch = micro
-            (_, sums), grad = grad_fn(state.params, micro_batch, jax.random.fold_in(step_key, index))
-            return jax.tree_util.tree_map(jnp.add, totals, (sums, grad)), None
+            return jax.tree_util.tree_map(
+                jnp.add, totals, grads_fn(state.params, micro_batch, jax.random.fold_in(step_key, index))
+            ), None
 
         first = jax.tree_util.tree_map(lambda x: x[0], batch)
-        shapes = jax.eval_shape(grad_fn, state.params, first, step_key)
-        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[0][1], shapes[1]))
+        zeros = jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grads_fn, state.params, first, step_key)
+        )
         micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
-        (sums, grad), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
-        sums = lax.psum(sums, "batch")
-        count = jnp.maximum(sums["loss"][1], 1)
-        grad = jax.tree_util.tree_map(lambda g: lax.psum(g, "batch") / count, grad)
-        metrics = {name: total / jnp.maximum(n, 1) for name, (total, n) in sums.items()}
+        (sums, grads), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
+        sums, grads = lax.psum((sums, grads), "batch")
+        scaled = [
+            jax.tree_util.tree_map(lambda g, w=weight, n=sums[name][1]: w * g / jnp.maximum(n, 1), grads[name])
+            for name, weight in LOSS_TERMS.items()
+        ]
+        grad = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), scaled)
+        metrics = objective_means(sums)
         metrics.update(learning_rate=schedule(state.step), grad_norm=optax.global_norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
@@ -555,6 +544,7 @@ class Run:
     writer: Any  # TensorBoard
     eval_step: Any  # None without --do_eval
     objective: dict  # the objective's own arguments, recorded in checkpoints
+    checkpoints: Any = None  # Orbax's CheckpointManager, while training
 
 
 def train(state, train_step, run, progress):
@@ -642,12 +632,12 @@ def evaluate(params, run):
             previous = totals.get(name, (0.0, 0.0))
             totals[name] = (previous[0] + float(total), previous[1] + float(count))
     runtime = time.perf_counter() - started
-    metrics = {f"eval_{name}": total / max(count, 1.0) for name, (total, count) in totals.items()}
+    metrics = {f"eval_{name}": value for name, value in objective_means(totals).items()}
     loss = metrics["eval_loss"]
     return {
         **metrics,
         "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
-        f"eval_{SCORED_TOKENS}": int(totals["loss"][1]),
+        f"eval_{SCORED_TOKENS}": int(totals[next(iter(LOSS_TERMS))][1]),
         "eval_samples": len(dataset),
         "eval_runtime": runtime,
         "eval_samples_per_second": len(dataset) / runtime,
@@ -708,7 +698,7 @@ def parse_args(argv=None):
         try:
             return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
         except ValueError as e:  # also malformed JSON
-            fail(f"arguments file {argv[0]}: {str(e).splitlines()[0]}")
+            fail(f"arguments file {argv[0]}: {first_line(e)}")
     *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
@@ -746,16 +736,9 @@ def validate_args(model_args, data_args, training_args):
             fail(
                 f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}"
             )
-    for flag in ("max_train_samples", "max_eval_samples"):
-        if getattr(data_args, flag) is not None and getattr(data_args, flag) <= 0:
-            fail(f"--{flag} must be a positive integer, got {getattr(data_args, flag)}")
-    if data_args.dump_noised_examples is not None and (
-        data_args.dump_noised_examples <= 0 or not training_args.do_train
-    ):
-        fail(
-            "--dump_noised_examples N shows the first N rows the training run would see: give N > 0 and the run's own "
-            "--do_train command line"
-        )
+    check_ranges(model_args, data_args, training_args)
+    if data_args.dump_noised_examples and not training_args.do_train:
+        fail("--dump_noised_examples N shows the first N rows a training run would see: add the run's own --do_train")
     validate_objective(data_args)
     validate_training_args(training_args)
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
@@ -806,9 +789,34 @@ def check_writable(flag, path):
         fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
 
 
+# What each numeric argument must be, and the words an argument takes: checked before any work.
+RANGES = (
+    (
+        lambda value: value > 0,
+        "positive",
+        "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps "
+        "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
+        "dump_noised_examples",
+    ),
+    (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
+    (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
+)
+CHOICES = {"dtype": ("float32", "float16", "bfloat16"), "report_to": ("tensorboard", "none", "all")}
+
+
+def check_ranges(*groups):
+    for group in groups:
+        for test, what, names in RANGES:
+            for name in names.split():
+                value = getattr(group, name, None)
+                if value is not None and not test(value):
+                    fail(f"--{name} must be {what}, got {value}")
+        for name, words in CHOICES.items():
+            if hasattr(group, name) and getattr(group, name) not in words:
+                fail(f"--{name} must be one of {', '.join(words)}, got {getattr(group, name)!r}")
+
+
 def validate_model_args(model_args):
-    if model_args.dtype not in ("float32", "float16", "bfloat16"):
-        fail(f"--dtype must be one of float32, float16, bfloat16, got {model_args.dtype!r}")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
     for flag in ("config_name", "model_name_or_path"):
@@ -820,31 +828,8 @@ def validate_model_args(model_args):
 def validate_training_args(training_args):
     if not training_args.do_train and not training_args.do_eval:
         fail("nothing to do: pass --do_train and/or --do_eval")
-    for flag in (
-        "per_device_train_batch_size",
-        "per_device_eval_batch_size",
-        "gradient_accumulation_steps",
-        "logging_steps",
-        "save_steps",
-        "eval_steps",
-        "save_total_limit",
-        "peak_tflops",
-        "learning_rate",
-        "adam_epsilon",
-    ):
-        value = getattr(training_args, flag)
-        if value is not None and value <= 0:
-            fail(f"--{flag} must be positive, got {value}")
-    for flag in ("weight_decay", "warmup_steps"):
-        if getattr(training_args, flag) < 0:
-            fail(f"--{flag} must not be negative, got {getattr(training_args, flag)}")
-    for flag in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(training_args, flag) < 1.0:
-            fail(f"--{flag} must be in [0, 1), got {getattr(training_args, flag)}")
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         fail(f"--num_train_epochs must be positive (or give --max_steps), got {training_args.num_train_epochs}")
-    if training_args.report_to not in ("tensorboard", "none", "all"):
-        fail(f"--report_to {training_args.report_to!r}: this script logs to tensorboard or none")
     output_dir = training_args.output_dir
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir} exists and is not a directory")
@@ -949,7 +934,7 @@ def load_raw_datasets(model_args, data_args):
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
-        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        fail(f"cannot load dataset {source!r}: {type(e).__name__}: {first_line(e)}")
     return raw
 
 
@@ -1005,15 +990,11 @@ def pad_rows(batch, num_rows, fill):
 
 
 def generate_batch_splits(samples_idx, batch_size, drop_last=True):
-    num_samples = len(samples_idx)
+    """Batches of batch_size indices, in order: without drop_last, the last may be shorter."""
     if drop_last:
-        samples_to_remove = num_samples % batch_size
-        if samples_to_remove != 0:
-            samples_idx = samples_idx[:-samples_to_remove]
-        sections_split = num_samples // batch_size
-        return np.split(samples_idx, sections_split) if sections_split else []
-    sections_split = math.ceil(num_samples / batch_size)
-    return np.array_split(samples_idx, sections_split)
+        full = len(samples_idx) // batch_size
+        return np.split(samples_idx[: full * batch_size], full) if full else []
+    return np.array_split(samples_idx, math.ceil(len(samples_idx) / batch_size))
 
 
 def epoch_batches(num_examples, batch_size, seed, epoch):
@@ -1038,20 +1019,9 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
                 inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
                 original = list(examples["input_ids"][k])
                 labels = batch["labels"][k].tolist() if "labels" in batch else None
-                f.write(
-                    json.dumps(
-                        {
-                            "batch": index,
-                            "row": int(row),
-                            "original_ids": original,
-                            "input_ids": inputs,
-                            "labels": labels,
-                            "original_text": tokenizer.decode(original),
-                            "input_text": tokenizer.decode(inputs),
-                        }
-                    )
-                    + "\n"
-                )
+                record = dict(batch=index, row=int(row), original_ids=original, input_ids=inputs, labels=labels)
+                record.update(original_text=tokenizer.decode(original), input_text=tokenizer.decode(inputs))
+                f.write(json.dumps(record) + "\n")
                 written += 1
             if written == count:
                 break
@@ -1085,7 +1055,7 @@ def load_config_and_tokenizer(model_args):
             tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs
         )
     except (OSError, ValueError) as e:
-        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+        fail(f"cannot load the config or tokenizer: {first_line(e)}")
     if config.model_type not in MODEL_TYPES:
         fail(
             f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
@@ -1108,6 +1078,30 @@ def check_attention_heads(config):
                 f"the config's hidden size {config.hidden_size} is not divisible by its {getattr(config, heads)} attention heads "
                 f"({heads}); fix the config (tokenizers/create_config.py --config_overrides)"
             )
+
+
+def init_model(model_class, config, path, model_args, training_args, abstract):
+    """A model of `model_class` and its parameters: loaded from `path` if given, else new from `config` (abstract=True:
+    only the parameters' shapes). --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see
+    bf16_dense); float16 is upstream's model dtype. _do_init=False: the model keeps no copy of the weights."""
+    dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
+    kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
+    if path and not abstract:
+        try:
+            model, params = model_class.from_pretrained(
+                path, config=config, cache_dir=model_args.cache_dir, token=model_args.token, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
+            fail(
+                f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?"
+            )
+    else:
+        model = model_class.from_config(config, **kwargs)
+        init = functools.partial(model.init_weights, model.key, model.input_shape)
+        params = jax.eval_shape(init) if abstract else init()
+    if training_args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model, params
 
 
 @dataclass
@@ -1195,6 +1189,13 @@ def decay_mask_fn(params):
     }
     flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
     return traverse_util.unflatten_dict(flat_mask)
+
+
+def objective_means(sums):
+    """The mean of each of loss_sums' named (sum, count) pairs (a count of 0 divides by 1), and `loss`: the weighted
+    sum of the LOSS_TERMS means."""
+    means = {name: total / (count + (count == 0)) for name, (total, count) in sums.items()}
+    return {**means, "loss": sum(weight * means[name] for name, weight in LOSS_TERMS.items())}
 
 
 def token_sums(logits, labels, mask):
@@ -1401,7 +1402,7 @@ class TrainingProgress:
     global_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0  # the next batch of `epoch` to train on
-    log_window: list = field(default_factory=list)  # losses of the steps since the last log line
+    log_window: list = field(default_factory=list)  # the objective's metrics of each step since the last log line
     last_checkpoint: str | None = None
 
 
@@ -1501,7 +1502,9 @@ def fetch_metrics(pending, progress):
             )
         fetched.append(metrics)
     pending.clear()
-    progress.log_window.extend(m["loss"] for m in fetched)
+    progress.log_window.extend(
+        {k: v for k, v in m.items() if k not in ("learning_rate", "grad_norm")} for m in fetched
+    )
     return fetched
 
 
@@ -1526,19 +1529,17 @@ class Window:
 
 
 def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, writer):
-    """One line and TensorBoard scalars: the mean loss since the last line, and the throughput of the steps
-    timed since then (none when the only one was the first, which compiles)."""
-    loss, progress.log_window = float(np.mean(progress.log_window)), []
-    scalars = {
-        "loss": loss,
-        "learning_rate": metrics["learning_rate"],
-        "grad_norm": metrics["grad_norm"],
-        "epoch": progress.global_step / plan.steps_per_epoch,
-    }
+    """One line and TensorBoard scalars: the objective's mean metrics since the last line, and the throughput of
+    the steps timed since then (none when the only one was the first, which compiles)."""
+    means = {name: float(np.mean([m[name] for m in progress.log_window])) for name in progress.log_window[0]}
+    progress.log_window = []
+    epoch = progress.global_step / plan.steps_per_epoch
+    scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
     line = (
-        f"Step {progress.global_step}/{plan.total_steps} (epoch {scalars['epoch']:.2f}) | loss {loss:.4f} | lr {metrics['learning_rate']:.3e} "
-        f"| grad norm {metrics['grad_norm']:.3f}"
+        f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means.pop('loss'):.4f} | "
+        + "".join(f"{name} {value:.4f} | " for name, value in means.items())
     )
+    line += f"lr {metrics['learning_rate']:.3e} | grad norm {metrics['grad_norm']:.3f}"
     if window.steps:
         seconds = window.seconds / window.steps
         scalars.update(tokens_per_second=window.tokens / window.seconds, seconds_per_step=seconds)
@@ -1554,7 +1555,6 @@ def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, w
         for name, value in scalars.items():
             writer.add_scalar(f"train/{name}", value, progress.global_step)
     window.reset()
-    return loss
 
 
 def log_eval(metrics, step, writer):
@@ -1580,33 +1580,60 @@ def step_flops(train_step, state, batch):
 # --- checkpoints and results -------------------------------------------------------------------------------------
 
 
-def list_checkpoints(output_dir):
-    """(complete, incomplete) checkpoints in output_dir: complete ones as (step, path), oldest first. Orbax writes
-    each into a temporary folder renamed when complete; a killed run can leave one behind."""
-    complete, incomplete = [], []
-    for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
-        match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-        if match and ocp.utils.is_checkpoint_finalized(path) and (path / "trainer_state").is_dir():
-            complete.append((int(match.group(1)), str(path)))
-        elif not ocp.utils.is_checkpoint_finalized(path):
-            incomplete.append(str(path))
-    return sorted(complete), incomplete
+class CheckpointNames(ocp.step.NameFormat):
+    """Orbax's step folders under the Trainer's names, checkpoint-N. Orbax writes each into a temporary folder
+    renamed when complete; only complete ones are found."""
+
+    def build_name(self, step):
+        return f"checkpoint-{step}"
+
+    def find_all(self, base_path):
+        for path in Path(base_path).glob("checkpoint-*") if os.path.isdir(base_path) else []:
+            if re.fullmatch(r"checkpoint-\d+", path.name) and complete_checkpoint(path):
+                yield ocp.step.Metadata(step=int(path.name.split("-")[1]), path=epath.Path(path))
+
+    def find_step(self, base_path, step):
+        path = Path(base_path) / self.build_name(step)
+        if not complete_checkpoint(path):
+            raise ValueError(f"{path} is not a complete checkpoint")
+        return ocp.step.Metadata(step=step, path=epath.Path(path))
+
+
+def complete_checkpoint(path):
+    return ocp.utils.is_checkpoint_finalized(path) and os.path.isdir(os.path.join(path, "trainer_state"))
+
+
+def checkpoint_manager(directory, save_total_limit=None, writes=False):
+    """Orbax's CheckpointManager over the checkpoint-N folders of `directory`: a train state and the training
+    progress (JSON) in each. One that writes first removes the incomplete folders a killed run left, and keeps
+    the newest --save_total_limit."""
+    return ocp.CheckpointManager(
+        os.path.abspath(directory),  # Orbax takes absolute paths only
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "trainer_state": ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=save_total_limit,
+            step_name_format=CheckpointNames(),
+            create=writes,
+            cleanup_tmp_directories=writes,
+            enable_async_checkpointing=False,
+            save_root_metadata=False,
+        ),
+    )
 
 
 def find_checkpoint(training_args):
     """The checkpoint to resume from, with the Trainer's conventions, or None; refuses, before any long work,
     to train into an output_dir that holds another run's files."""
     output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
-    complete, incomplete = list_checkpoints(output_dir)
-    for path in incomplete:
-        logger.warning(f"skipping {path}: an incomplete checkpoint (a run was stopped while writing it)")
+    complete = sorted((m.step, str(m.path)) for m in CheckpointNames().find_all(output_dir))
+    for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
+        if not ocp.utils.is_checkpoint_finalized(path):
+            logger.warning(f"skipping {path}: an incomplete checkpoint (a run was stopped while writing it)")
     if resume is not None and resume.lower() != "false":
         if not training_args.do_train:
             fail("--resume_from_checkpoint needs --do_train")
         if resume.lower() != "true":
-            if not (
-                os.path.isdir(os.path.join(resume, "trainer_state")) and ocp.utils.is_checkpoint_finalized(resume)
-            ):
+            if not (re.fullmatch(r"checkpoint-\d+", Path(resume).name) and complete_checkpoint(resume)):
                 fail(f"--resume_from_checkpoint {resume} is not a complete checkpoint-N folder written by this script")
             return resume
         if not complete:
@@ -1630,41 +1657,33 @@ def find_checkpoint(training_args):
     return None
 
 
-def clear_checkpoints(output_dir, fresh_start):
-    """Remove incomplete checkpoints (they can never be completed) and, for a fresh run into a used output_dir
-    (--overwrite_output_dir), the earlier run's checkpoints too, so that no later resume can pick one."""
-    complete, incomplete = list_checkpoints(output_dir)
-    for path in incomplete + ([path for _, path in complete] if fresh_start else []):
-        logger.warning(
-            f"removing {path} (incomplete)"
-            if path in incomplete
-            else f"--overwrite_output_dir: removing {path} of an earlier run"
-        )
-        shutil.rmtree(path, ignore_errors=True)
+def open_checkpoints(training_args, fresh_start):
+    """The manager this run saves with. A fresh run into a used output_dir (--overwrite_output_dir) first removes the
+    earlier run's checkpoints, so that no later resume can pick one."""
+    manager = checkpoint_manager(training_args.output_dir, training_args.save_total_limit, writes=True)
+    for step in manager.all_steps() if fresh_start else []:
+        logger.warning(f"--overwrite_output_dir: removing checkpoint-{step} of an earlier run")
+        manager.delete(step)
+    return manager
 
 
 def save_pretrained(model, params, tokenizer, output_dir):
-    """The model and tokenizer in from_pretrained form, written into output_dir file by file through a
+    """The model (save_model) and tokenizer in from_pretrained form, written into output_dir entry by entry through a
     temporary folder of this run's own, so that a crash mid-save leaves the previous files readable."""
     tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
-    model.save_pretrained(tmp_dir, params=params)
+    save_model(model, params, tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
     for name in os.listdir(tmp_dir):
+        if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
+            shutil.rmtree(os.path.join(output_dir, name))
         os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
     os.rmdir(tmp_dir)
 
 
-def checkpoint_handler():
-    """A checkpoint-N folder holds two Orbax items: the train state and the training progress (JSON)."""
-    return ocp.CompositeCheckpointHandler(
-        state=ocp.StandardCheckpointHandler(), trainer_state=ocp.JsonCheckpointHandler()
-    )
-
-
 def save_checkpoint(state, progress, run):
-    """checkpoint-{step}: the train state and the data position as one Orbax checkpoint, written into a temporary
-    folder and renamed when complete; then the model in from_pretrained form in output_dir, the oldest
-    checkpoints beyond --save_total_limit removed, and the hub repository updated. Returns its path."""
+    """checkpoint-{step}: the train state and the data position (the manager drops the oldest beyond
+    --save_total_limit); then the model in from_pretrained form in output_dir, and the hub repository updated.
+    Returns its path."""
     output_dir, plan, seed = run.args.output_dir, run.plan, run.args.seed
     host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
     if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
@@ -1694,34 +1713,28 @@ def save_checkpoint(state, progress, run):
         "objective": run.objective,
     }
     try:
-        with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-            checkpointer.save(
-                os.path.abspath(path),
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
-                ),
-                force=True,
-            )
+        run.checkpoints.save(
+            progress.global_step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
+            ),
+            force=True,
+        )
         if jax.process_index() == 0:
             save_pretrained(run.model, host_state["params"], run.tokenizer, output_dir)
     # A full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError.
     except (OSError, ValueError) as e:
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
-        fail(f"cannot write {path}: {str(e).splitlines()[0]}; {last}. {advice} with --resume_from_checkpoint")
-    if jax.process_index() == 0:
-        for _, old in list_checkpoints(output_dir)[0][
-            : -run.args.save_total_limit if run.args.save_total_limit else 0
-        ]:
-            shutil.rmtree(old, ignore_errors=True)
-        if run.hub is not None:
-            api, repo_id, token = run.hub
-            api.upload_folder(
-                commit_message=f"Saving weights and logs of step {progress.global_step}",
-                folder_path=output_dir,
-                repo_id=repo_id,
-                repo_type="model",
-                token=token,
-            )
+        fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
+    if jax.process_index() == 0 and run.hub is not None:
+        api, repo_id, token = run.hub
+        api.upload_folder(
+            commit_message=f"Saving weights and logs of step {progress.global_step}",
+            folder_path=output_dir,
+            repo_id=repo_id,
+            repo_type="model",
+            token=token,
+        )
     return path
 
 
@@ -1729,26 +1742,23 @@ def restore_checkpoint(path, abstract_state, plan, seed, objective):
     """The train state and training progress saved in `path`, checked against this run: the same model shapes,
     global batch and seed (the data order depends on both); other objective settings only get a warning (they may
     be changed on purpose)."""
-    path = os.path.abspath(path)  # Orbax takes absolute paths only
-    with ocp.Checkpointer(checkpoint_handler()) as checkpointer:
-        stored = dict(
-            jax.tree_util.tree_flatten_with_path(checkpointer.metadata(path).item_metadata["state"]["params"])[0]
-        )
-        for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
-            if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
-                there = "missing" if key not in stored else tuple(stored[key].shape)
-                fail(
-                    f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
-                    "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
-                )
-        target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
-        try:
-            restored = checkpointer.restore(
-                path,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore()),
+    manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
+    stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
+    for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+        if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
+            there = "missing" if key not in stored else tuple(stored[key].shape)
+            fail(
+                f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
+                "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
             )
-        except (ValueError, KeyError) as e:
-            fail(f"cannot restore {path} (written with another optimizer?): {str(e).splitlines()[0]}")
+    target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
+    try:
+        restored = manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
+        )
+    except (ValueError, KeyError) as e:
+        fail(f"cannot restore {path} (written with another optimizer?): {first_line(e)}")
+    manager.close()
     saved = restored["trainer_state"]
     for name, here in (("train_batch_size", plan.train_batch_size), ("seed", seed)):
         if saved[name] != here:
@@ -1821,7 +1831,7 @@ def open_hub_repo(training_args):
             training_args.hub_token,
         )
     except Exception as e:  # noqa: BLE001
-        fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {str(e).splitlines()[0]}")
+        fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {first_line(e)}")
 
 
 if __name__ == "__main__":

@@ -797,9 +797,8 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
     return numbered
 
 
-def main(argv=None):
-    model_args, data_args, training_args = parse_args(argv)
-
+def setup_logging(training_args):
+    """Log to stdout, at the process's log level, for this script, datasets and transformers."""
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%m/%d/%Y %H:%M:%S",
@@ -815,8 +814,9 @@ def main(argv=None):
     transformers.utils.logging.enable_default_handler()
     transformers.utils.logging.enable_explicit_format()
 
-    validate_args(model_args, data_args, training_args)
-    warn_if_bf16_is_slow(training_args)
+
+def prepare_training_args(training_args):
+    """Adjust the training arguments for XLA and the collator, and log them with this process's setup."""
     if is_torch_xla_available() and training_args.optim == "adamw_torch_fused":
         logger.warning("--optim adamw_torch_fused does not run on XLA devices; using adamw_torch")
         training_args.optim = "adamw_torch"
@@ -829,16 +829,10 @@ def main(argv=None):
         f"16-bits training: {training_args.fp16 or training_args.bf16}"
     )
     logger.info(f"Training/evaluation parameters {training_args}")
-    last_checkpoint = find_checkpoint(training_args)
-    lock = lock_output_dir(training_args.output_dir) if training_args.process_index == 0 else None
 
-    set_seed(training_args.seed)
-    raw_datasets = load_raw_datasets(model_args, data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args)
-    if last_checkpoint is not None:
-        check_checkpoint_config(last_checkpoint, config)
-    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
 
+def load_model(model_args, config, tokenizer):
+    """The pretrained model, or a new one from the config; its embeddings grown to the tokenizer's size."""
     torch_dtype = (
         model_args.torch_dtype if model_args.torch_dtype in ("auto", None) else getattr(torch, model_args.torch_dtype)
     )
@@ -870,8 +864,37 @@ def main(argv=None):
     embedding_size = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > embedding_size:
         model.resize_token_embeddings(len(tokenizer))
+    return model
 
-    tokenized = preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length)
+
+def check_train_schedule(train_dataset, training_args, max_seq_length):
+    """Fail if the train set is shorter than one global batch; warn if the warm-up outlasts the training."""
+    global_batch = (
+        training_args.per_device_train_batch_size
+        * training_args.world_size
+        * training_args.gradient_accumulation_steps
+    )
+    if len(train_dataset) < global_batch:
+        fail(
+            f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
+            f"({global_batch}); use more data or a smaller --per_device_train_batch_size"
+        )
+    steps_per_epoch = len(train_dataset) // global_batch  # about what the Trainer counts
+    total = (
+        training_args.max_steps
+        if training_args.max_steps > 0
+        else math.ceil(steps_per_epoch * training_args.num_train_epochs)
+    )
+    warmup = training_args.get_warmup_steps(total)
+    if warmup > total:
+        logger.warning(
+            f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
+            f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}"
+        )
+
+
+def select_datasets(tokenized, data_args, training_args, max_seq_length):
+    """The train and eval datasets (None where not asked for), cut to --max_train_samples/--max_eval_samples."""
     train_dataset = eval_dataset = None
     if training_args.do_train:
         if "train" not in tokenized:
@@ -885,28 +908,7 @@ def main(argv=None):
                 else train_dataset.select(range(min(len(train_dataset), n)))
             )
         if not data_args.streaming:
-            global_batch = (
-                training_args.per_device_train_batch_size
-                * training_args.world_size
-                * training_args.gradient_accumulation_steps
-            )
-            if len(train_dataset) < global_batch:
-                fail(
-                    f"the train set has {len(train_dataset)} examples of {max_seq_length} tokens, fewer than one global batch "
-                    f"({global_batch}); use more data or a smaller --per_device_train_batch_size"
-                )
-            steps_per_epoch = len(train_dataset) // global_batch  # about what the Trainer counts
-            total = (
-                training_args.max_steps
-                if training_args.max_steps > 0
-                else math.ceil(steps_per_epoch * training_args.num_train_epochs)
-            )
-            warmup = training_args.get_warmup_steps(total)
-            if warmup > total:
-                logger.warning(
-                    f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
-                    f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}"
-                )
+            check_train_schedule(train_dataset, training_args, max_seq_length)
     if training_args.do_eval:
         if "validation" not in tokenized:
             fail("--do_eval requires a validation dataset (--validation_file, or a train set to split)")
@@ -916,7 +918,11 @@ def main(argv=None):
             eval_dataset = (
                 eval_dataset.take(n) if data_args.streaming else eval_dataset.select(range(min(len(eval_dataset), n)))
             )
+    return train_dataset, eval_dataset
 
+
+def build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, training_args):
+    """The masking collator and the Trainer that uses it."""
     # Padding to a multiple of 8 helps tensor cores; only worth it when not padding to max length.
     pad_to_multiple_of_8 = data_args.line_by_line and training_args.fp16 and not data_args.pad_to_max_length
     collator = DataCollatorForMaskedLM(
@@ -925,7 +931,7 @@ def main(argv=None):
         seed=training_args.seed,
         pad_to_multiple_of=8 if pad_to_multiple_of_8 else None,
     )
-    trainer = MaskedLMTrainer(
+    return MaskedLMTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
@@ -938,32 +944,39 @@ def main(argv=None):
         callbacks=[MaskEpochCallback(collator)],
     )
 
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
-        trainer.save_model()  # Saves the tokenizer too for easy upload
-        metrics = dict(train_result.metrics)
-        if not data_args.streaming:
-            metrics["train_samples"] = len(train_dataset)
-        metrics.update(
-            world_size=training_args.world_size,
-            global_batch_size=training_args.per_device_train_batch_size
-            * training_args.world_size
-            * training_args.gradient_accumulation_steps,
-            global_step=train_result.global_step,
-        )
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
 
-    if training_args.do_eval:
-        logger.info("*** Evaluate ***")
-        metrics = trainer.evaluate()
-        metrics["perplexity"] = metrics["eval_perplexity"]  # upstream's key, which its example tests read
-        if not data_args.streaming:
-            metrics["eval_samples"] = len(eval_dataset)
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
+def run_training(trainer, train_dataset, last_checkpoint, data_args, training_args):
+    """Train (resuming from last_checkpoint), save the model and state, and log and save the train metrics."""
+    train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    trainer.save_model()  # Saves the tokenizer too for easy upload
+    metrics = dict(train_result.metrics)
+    if not data_args.streaming:
+        metrics["train_samples"] = len(train_dataset)
+    metrics.update(
+        world_size=training_args.world_size,
+        global_batch_size=training_args.per_device_train_batch_size
+        * training_args.world_size
+        * training_args.gradient_accumulation_steps,
+        global_step=train_result.global_step,
+    )
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
 
+
+def run_evaluation(trainer, eval_dataset, data_args):
+    """Evaluate, and log and save the eval metrics."""
+    logger.info("*** Evaluate ***")
+    metrics = trainer.evaluate()
+    metrics["perplexity"] = metrics["eval_perplexity"]  # upstream's key, which its example tests read
+    if not data_args.streaming:
+        metrics["eval_samples"] = len(eval_dataset)
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+
+
+def push_or_create_model_card(trainer, model_args, data_args, training_args):
+    """Push to the hub with --push_to_hub; otherwise, after training, write the model card."""
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "fill-mask"}
     if data_args.dataset_name is not None:
         kwargs["dataset_tags"] = data_args.dataset_name
@@ -976,6 +989,34 @@ def main(argv=None):
         trainer.push_to_hub(**kwargs)
     elif training_args.do_train:
         trainer.create_model_card(**kwargs)
+
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+    setup_logging(training_args)
+    validate_args(model_args, data_args, training_args)
+    warn_if_bf16_is_slow(training_args)
+    prepare_training_args(training_args)
+    last_checkpoint = find_checkpoint(training_args)
+    lock = lock_output_dir(training_args.output_dir) if training_args.process_index == 0 else None
+
+    set_seed(training_args.seed)
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    if last_checkpoint is not None:
+        check_checkpoint_config(last_checkpoint, config)
+    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+    model = load_model(model_args, config, tokenizer)
+
+    tokenized = preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length)
+    train_dataset, eval_dataset = select_datasets(tokenized, data_args, training_args, max_seq_length)
+    trainer = build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, training_args)
+
+    if training_args.do_train:
+        run_training(trainer, train_dataset, last_checkpoint, data_args, training_args)
+    if training_args.do_eval:
+        run_evaluation(trainer, eval_dataset, data_args)
+    push_or_create_model_card(trainer, model_args, data_args, training_args)
     if lock is not None:
         lock.close()
 

@@ -78,9 +78,8 @@ def fail(message):
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
-    parser.error = fail  # a bad or missing flag: one line, not a usage block
+def add_model_args(parser):
+    """Flags of the model's config, initial weights and tokenizer."""
     parser.add_argument(
         "--pretrained_model_config",
         type=str,
@@ -98,6 +97,10 @@ def parse_args(argv=None):
         default="unigram-tokenizer-wikitext",
         help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.",
     )
+
+
+def add_device_args(parser):
+    """Flags of the batch per replica, the TPU or fallback devices and the precision."""
     parser.add_argument(
         "--per_replica_batch_size", type=int, default=8, help="Batch size per TPU core (or other replica)."
     )
@@ -136,6 +139,10 @@ def parse_args(argv=None):
         action="store_true",
         help="Use mixed-precision bfloat16 for training. This is the recommended lower-precision format for TPU.",
     )
+
+
+def add_data_args(parser):
+    """Flags of the training and evaluation shards."""
     parser.add_argument(
         "--train_dataset",
         type=str,
@@ -149,6 +156,10 @@ def parse_args(argv=None):
         type=str,
         help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.",
     )
+
+
+def add_training_args(parser):
+    """Flags of the schedule, the optimizer, the masking and the seed."""
     parser.add_argument("--num_epochs", type=int, default=1, help="Number of epochs to train for.")
     parser.add_argument(
         "--max_steps",
@@ -178,6 +189,10 @@ def parse_args(argv=None):
         action="store_true",
         help="Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): the same seed gives the same run. Without it the masks drawn in the parallel input pipeline differ from run to run.",
     )
+
+
+def add_output_args(parser):
+    """Flags of the output folder, the hub upload and the TensorBoard logs."""
     parser.add_argument("--output_dir", type=str, required=True, help="Path to save model checkpoints to.")
     parser.add_argument("--overwrite_output_dir", action="store_true", help="Write into a non-empty --output_dir.")
     parser.add_argument("--hub_model_id", type=str, help="Model ID to upload to on the Hugging Face Hub.")
@@ -187,7 +202,22 @@ def parse_args(argv=None):
         default="tensorboard",
         help="tensorboard: events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...).",
     )
-    args = parser.parse_args(argv)
+
+
+def build_parser():
+    """The command line, its flags in --help order."""
+    parser = argparse.ArgumentParser(description="Train a masked language model on TPU.")
+    parser.error = fail  # a bad or missing flag: one line, not a usage block
+    add_model_args(parser)
+    add_device_args(parser)
+    add_data_args(parser)
+    add_training_args(parser)
+    add_output_args(parser)
+    return parser
+
+
+def validate_args(args):
+    """Fail with one line on a value that the flags' types let through."""
     for flag in (
         "per_replica_batch_size",
         "num_epochs",
@@ -209,6 +239,11 @@ def parse_args(argv=None):
         )
     if args.train_dataset is None:
         fail("--train_dataset is required: a folder of TFRecord shards from tensorflow/prepare_tfrecord_shards.py")
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    validate_args(args)
     return args
 
 
@@ -520,27 +555,34 @@ def lock_output_dir(output_dir):
     return lock
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def configure_logging():
+    """This script's log lines at INFO; transformers and TensorFlow only from WARNING."""
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, force=True)
     transformers.utils.logging.set_verbosity_warning()
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
-    # Logical CPU devices must be configured before TensorFlow touches any device.
-    if args.num_cpu_devices > 1:
+
+
+def split_cpu_devices(num_cpu_devices):
+    """Split the CPU into num_cpu_devices logical devices (not when GPUs are present)."""
+    if num_cpu_devices > 1:
         if tf.config.list_physical_devices("GPU"):
             logger.warning("--num_cpu_devices is ignored: GPUs are present")
         else:
             cpu = tf.config.list_physical_devices("CPU")[0]
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * args.num_cpu_devices
-            )
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
 
-    output_dir = args.output_dir
+
+def check_output_dir(output_dir, overwrite_output_dir):
+    """Fail unless output_dir is a writable folder, empty or to be overwritten."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         fail(f"--output_dir {output_dir} exists and is not a directory")
-    if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {".lock"} and not args.overwrite_output_dir:
+    if os.path.isdir(output_dir) and set(os.listdir(output_dir)) - {".lock"} and not overwrite_output_dir:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     check_writable("--output_dir", output_dir)
+
+
+def check_model_sources(args):
+    """Check the config, weights, tokenizer and hub flags before training; returns where the config comes from."""
     config_flag, config_source = (
         ("--model_name_or_path", args.model_name_or_path)
         if args.model_name_or_path
@@ -560,14 +602,16 @@ def main(argv=None):
     if args.hub_model_id and not hub_reachable():
         fail(
             f"--hub_model_id {args.hub_model_id}: the Hugging Face Hub is unreachable (offline?); drop --hub_model_id "
-            f"and upload {output_dir} later"
+            f"and upload {args.output_dir} later"
         )
     for flag, name in ((config_flag, config_source), ("--tokenizer", args.tokenizer)):
         check_hub_name(flag, name)
-    training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
-    eval_records = find_shards("--eval_dataset", args.eval_dataset, args.max_length)[0] if args.eval_dataset else None
+    return config_source
 
-    lock = lock_output_dir(output_dir)
+
+def setup_strategy(args):
+    """The distribution strategy (TPU, else this machine's devices) and its name, logged; refuses XLA where it
+    cannot run."""
     strategy, strategy_name = choose_strategy(args)
     replicas = strategy.num_replicas_in_sync
     logger.info(f"Strategy: {strategy_name} with {replicas} replica(s)")
@@ -576,7 +620,11 @@ def main(argv=None):
             "--jit_compile does not work under MirroredStrategy on CPU devices (TensorFlow cannot place the XLA "
             "step across them); drop --jit_compile or use --num_cpu_devices 1"
         )
+    return strategy, strategy_name
 
+
+def set_precision_and_seed(args, strategy_name):
+    """Mixed bfloat16 with --bfloat16, the seed, and deterministic ops with --full_determinism."""
     if args.bfloat16:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         warn_if_bf16_is_slow(strategy_name)
@@ -584,6 +632,9 @@ def main(argv=None):
     if args.full_determinism:
         tf.config.experimental.enable_op_determinism()
 
+
+def load_tokenizer_and_config(args, config_source):
+    """The tokenizer and the model config, given the tokenizer's vocabulary and special ids; both checked."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         config = AutoConfig.from_pretrained(config_source)
@@ -620,7 +671,11 @@ def main(argv=None):
         positions -= config.pad_token_id + 1
     if positions is not None and args.max_length > positions:
         fail(f"--max_length {args.max_length} is longer than the model's {positions} positions")
+    return tokenizer, config
 
+
+def plan_steps(args, num_train_samples, replicas):
+    """The global batch size, the training and warm-up steps, and the steps of each fit epoch."""
     batch_size = args.per_replica_batch_size * replicas
     steps_per_epoch = num_train_samples // batch_size
     if steps_per_epoch == 0:
@@ -637,7 +692,12 @@ def main(argv=None):
         )
     # fit's epochs are stretches of --eval_steps steps (default: a pass over the data), each ending in an evaluation.
     fit_epoch_steps = min(args.eval_steps or steps_per_epoch, total_train_steps)
+    return batch_size, total_train_steps, warmup_steps, fit_epoch_steps
 
+
+def create_model(args, config, strategy, total_train_steps, warmup_steps):
+    """The model (fresh, or --model_name_or_path's weights) compiled with its optimizer in the strategy's scope;
+    returns it and the learning-rate schedule."""
     with strategy.scope():
         if args.model_name_or_path:
             try:
@@ -657,18 +717,25 @@ def main(argv=None):
         )
         # The model computes its own MLM loss from the labels (no loss passed to compile).
         model.compile(optimizer=optimizer, metrics=[MaskedAccuracy(), MaskedLoss()], jit_compile=args.jit_compile)
-    logger.info(
-        f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
-        f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}"
-    )
+    return model, schedule
+
+
+def make_decode_fn(max_length):
+    """The parser of one TFRecord example: input_ids and attention_mask of max_length."""
 
     def decode_fn(example):
         features = {
-            "input_ids": tf.io.FixedLenFeature(dtype=tf.int64, shape=(args.max_length,)),
-            "attention_mask": tf.io.FixedLenFeature(dtype=tf.int64, shape=(args.max_length,)),
+            "input_ids": tf.io.FixedLenFeature(dtype=tf.int64, shape=(max_length,)),
+            "attention_mask": tf.io.FixedLenFeature(dtype=tf.int64, shape=(max_length,)),
         }
         return tf.io.parse_single_example(example, features)
 
+    return decode_fn
+
+
+def build_datasets(args, tokenizer, decode_fn, training_records, eval_records, batch_size, replicas, strategy_name):
+    """The masked training dataset and, with eval_records, the evaluation dataset (else None); also whether
+    evaluation drops a last short batch."""
     mask_fn = make_mask_fn(tokenizer, args.mlm_probability)
     train_dataset = prepare_dataset(
         training_records,
@@ -680,10 +747,10 @@ def main(argv=None):
         seed=args.seed,
     )
     eval_dataset = None
+    # TPUs need full batches, and a replica's share of a short one can hold no masked token (a NaN loss); on
+    # one device every evaluation block counts, as in the other scripts.
+    full_batches = replicas > 1 or strategy_name == "TPUStrategy"
     if eval_records:
-        # TPUs need full batches, and a replica's share of a short one can hold no masked token (a NaN loss); on
-        # one device every evaluation block counts, as in the other scripts.
-        full_batches = replicas > 1 or strategy_name == "TPUStrategy"
         eval_dataset = prepare_dataset(
             eval_records,
             decode_fn=decode_fn,
@@ -696,14 +763,24 @@ def main(argv=None):
             fail(
                 f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})"
             )
+    return train_dataset, eval_dataset, full_batches
 
+
+def make_callbacks(args, tokenizer, total_train_steps, schedule):
+    """The step timer and TensorBoard log (TrainingLog), and with --hub_model_id the upload to the hub."""
     timer = TrainingLog(total_train_steps, schedule, open_summary_writer(args))
     callbacks = [timer]
     if args.hub_model_id:
         from transformers import PushToHubCallback
 
-        callbacks.append(PushToHubCallback(output_dir=output_dir, hub_model_id=args.hub_model_id, tokenizer=tokenizer))
+        callbacks.append(
+            PushToHubCallback(output_dir=args.output_dir, hub_model_id=args.hub_model_id, tokenizer=tokenizer)
+        )
+    return timer, callbacks
 
+
+def train(model, train_dataset, eval_dataset, total_train_steps, fit_epoch_steps, callbacks):
+    """Keras' fit over total_train_steps, in fit epochs of fit_epoch_steps; returns its history and the runtime."""
     start = time.perf_counter()
     history = model.fit(
         train_dataset,
@@ -714,7 +791,12 @@ def main(argv=None):
         verbose=2 if not sys.stdout.isatty() else "auto",
     ).history
     runtime = time.perf_counter() - start
+    return history, runtime
 
+
+def save_and_check_reload(model, tokenizer, output_dir, training_records, decode_fn):
+    """Save model and tokenizer to output_dir, and fail unless the saved model gives back the trained model's
+    logits; returns their largest difference."""
     os.makedirs(output_dir, exist_ok=True)
     save_atomically(model, tokenizer, output_dir)
     # The saved model must give back the trained model's outputs.
@@ -731,6 +813,23 @@ def main(argv=None):
         fail(
             f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})"
         )
+    return reload_diff
+
+
+def write_train_results(
+    args,
+    history,
+    timer,
+    runtime,
+    total_train_steps,
+    fit_epoch_steps,
+    batch_size,
+    num_train_samples,
+    replicas,
+    strategy_name,
+    reload_diff,
+):
+    """train_results.json: the masked-token metrics averaged over the run, the step times and the run's setup."""
     steady = timer.times[1:] or timer.times
     # Keras' metrics restart every fit epoch: average the stretches, weighted by their steps.
     stretches = len(history["loss"])
@@ -756,27 +855,79 @@ def main(argv=None):
         "epochs": total_train_steps * batch_size / num_train_samples,
         "reload_max_abs_logit_diff": reload_diff,
     }
-    write_json(os.path.join(output_dir, "train_results.json"), train_results)
+    write_json(os.path.join(args.output_dir, "train_results.json"), train_results)
     logger.info(
         f"Train: loss {train_loss:.4f}, masked accuracy {train_results['train_accuracy']:.4f}, "
         f"median step {train_results['step_time_median_s'] * 1000:.1f} ms (first {timer.times[0]:.1f} s)"
     )
+
+
+def write_eval_results(history, eval_records, batch_size, full_batches, output_dir):
+    """eval_results.json: the last evaluation's masked-token metrics."""
+    eval_loss = float(history["val_masked_loss"][-1])
+    eval_results = {
+        "eval_loss": eval_loss,
+        "eval_keras_loss": float(history["val_loss"][-1]),
+        "eval_accuracy": float(history["val_masked_accuracy"][-1]),
+        "eval_perplexity": math.exp(min(eval_loss, 700.0)),
+        "eval_samples": count_samples(eval_records) // batch_size * batch_size
+        if full_batches
+        else count_samples(eval_records),
+    }
+    write_json(os.path.join(output_dir, "eval_results.json"), eval_results)
+    logger.info(
+        f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_accuracy']:.4f}, "
+        f"perplexity {eval_results['eval_perplexity']:.2f}"
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    configure_logging()
+    # Logical CPU devices must be configured before TensorFlow touches any device.
+    split_cpu_devices(args.num_cpu_devices)
+
+    output_dir = args.output_dir
+    check_output_dir(output_dir, args.overwrite_output_dir)
+    config_source = check_model_sources(args)
+    training_records, num_train_samples = find_shards("--train_dataset", args.train_dataset, args.max_length)
+    eval_records = find_shards("--eval_dataset", args.eval_dataset, args.max_length)[0] if args.eval_dataset else None
+
+    lock = lock_output_dir(output_dir)
+    strategy, strategy_name = setup_strategy(args)
+    replicas = strategy.num_replicas_in_sync
+    set_precision_and_seed(args, strategy_name)
+    tokenizer, config = load_tokenizer_and_config(args, config_source)
+    batch_size, total_train_steps, warmup_steps, fit_epoch_steps = plan_steps(args, num_train_samples, replicas)
+    model, schedule = create_model(args, config, strategy, total_train_steps, warmup_steps)
+    logger.info(
+        f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
+        f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}"
+    )
+
+    decode_fn = make_decode_fn(args.max_length)
+    train_dataset, eval_dataset, full_batches = build_datasets(
+        args, tokenizer, decode_fn, training_records, eval_records, batch_size, replicas, strategy_name
+    )
+    timer, callbacks = make_callbacks(args, tokenizer, total_train_steps, schedule)
+    history, runtime = train(model, train_dataset, eval_dataset, total_train_steps, fit_epoch_steps, callbacks)
+
+    reload_diff = save_and_check_reload(model, tokenizer, output_dir, training_records, decode_fn)
+    write_train_results(
+        args,
+        history,
+        timer,
+        runtime,
+        total_train_steps,
+        fit_epoch_steps,
+        batch_size,
+        num_train_samples,
+        replicas,
+        strategy_name,
+        reload_diff,
+    )
     if eval_dataset is not None:
-        eval_loss = float(history["val_masked_loss"][-1])
-        eval_results = {
-            "eval_loss": eval_loss,
-            "eval_keras_loss": float(history["val_loss"][-1]),
-            "eval_accuracy": float(history["val_masked_accuracy"][-1]),
-            "eval_perplexity": math.exp(min(eval_loss, 700.0)),
-            "eval_samples": count_samples(eval_records) // batch_size * batch_size
-            if full_batches
-            else count_samples(eval_records),
-        }
-        write_json(os.path.join(output_dir, "eval_results.json"), eval_results)
-        logger.info(
-            f"Eval: loss {eval_loss:.4f}, masked accuracy {eval_results['eval_accuracy']:.4f}, "
-            f"perplexity {eval_results['eval_perplexity']:.2f}"
-        )
+        write_eval_results(history, eval_records, batch_size, full_batches, output_dir)
     logger.info(f"Model, tokenizer and results saved to {output_dir}")
     lock.close()
 

@@ -200,3 +200,23 @@ def t5_dir(corpus, tmp_path_factory):
 @pytest.fixture(scope="session")
 def bart_dir(corpus, tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("bart"), corpus, "bart", TINY_BART)
+
+
+# run.sh runs the suite under pytest-xdist, each worker taking whole files in this order (--dist loadfile
+# --no-loadscope-reorder): the longest files first, so that none of them is left to run alone at the end.
+LONGEST_FIRST = (
+    "test_bad_input.py",
+    "test_flax_training.py",
+    "test_tensorflow.py",
+    "test_bf16.py",
+    "test_run_mlm_flax.py",
+    "test_flax_resume.py",
+    "test_benchmark_end_to_end.py",
+    "test_benchmark.py",
+    "test_pytorch_run_mlm.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order

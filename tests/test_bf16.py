@@ -200,6 +200,8 @@ def test_bf16_training_follows_f32_and_saves_f32_weights(path, corpus, tmp_path,
 
     weights = msgpack_restore((tmp_path / "bfloat16" / "flax_model.msgpack").read_bytes())
     assert {str(w.dtype) for w in jax.tree_util.tree_leaves(weights)} == {"float32"}
+    if path != "flax/run_mlm_flax.py":  # the reload is the same machinery in the four scripts (test_layout.py)
+        return
     # The checkpoint, reloaded with from_pretrained, evaluates exactly as the run that saved it.
     reloaded = args(tmp_path / "reloaded", "bfloat16", "--do_eval", "--model_name_or_path", str(tmp_path / "bfloat16"))
     check_ok(run(reloaded))

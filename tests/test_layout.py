@@ -64,6 +64,7 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
             "OBJECTIVE",
             "LENGTH_FLAG",
             "SCORED_TOKENS",
+            "LOSS_TERMS",
             "class DataTrainingArguments",
             "def validate_objective",
             "def fit_objective",
@@ -71,6 +72,8 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
             "def preprocess",
             "def build_collator",
             "def collate_batch",
+            "def build_model",
+            "def save_model",
             "def loss_sums",
         ):
             assert f"\n{name}" in block, f"{path}: the objective block has no {name}"

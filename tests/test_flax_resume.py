@@ -1,0 +1,135 @@
+"""Exact resume in the Flax scripts: kill -9 then --resume_from_checkpoint is bitwise an uninterrupted run; the
+refusals of a resume that cannot be exact. Its own file, so that the suite's workers (one file each) balance."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (
+    ROOT,
+    TWO_DEVICES,
+    check_ok,
+    error_line,
+    flax_args,
+    losses_by_step,
+    run,
+)
+
+MLM = "flax/run_mlm_flax.py"
+T5 = "flax/run_t5_mlm_flax.py"
+RESUMABLE = [
+    "--do_train",
+    "--per_device_train_batch_size",
+    "8",
+    "--max_steps",
+    "60",
+    "--logging_steps",
+    "2",
+    "--save_steps",
+    "4",
+    "--learning_rate",
+    "1e-3",
+    "--warmup_steps",
+    "4",
+    "--seed",
+    "7",
+    "--report_to",
+    "none",
+]
+
+
+def kill_after_first_checkpoint(args, output_dir):
+    """Start a training run and kill -9 it once its first checkpoint is complete; return what it printed."""
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.time() + 300
+    while not (output_dir / "checkpoint-4" / "trainer_state").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.communicate()[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(request, corpus, tmp_path_factory):
+    """For MLM and T5: a 60-step run that saves every 4 steps, its output folder and its logged losses."""
+    runs = {}
+    for path in (MLM, T5):
+        out = tmp_path_factory.mktemp("full")
+        result = check_ok(run(flax_args(path, request, corpus, out, *RESUMABLE)))
+        runs[path] = out, losses_by_step(result.stdout + result.stderr)
+    return runs
+
+
+@pytest.mark.parametrize("path", [MLM, T5])
+def test_kill_9_then_resume_is_bitwise_exact(path, uninterrupted, request, corpus, tmp_path):
+    """kill -9 at any point after the first checkpoint, then the same command with --resume_from_checkpoint:
+    the final weights are bitwise those of an uninterrupted run, and every logged loss is the same. A
+    checkpoint the kill cut short (Orbax's temporary folder) is skipped with a warning."""
+    full_dir, full_losses = uninterrupted[path]
+    out = tmp_path / "run"
+    args = flax_args(path, request, corpus, out, *RESUMABLE)
+    before = losses_by_step(kill_after_first_checkpoint(args, out))
+    complete = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "trainer_state").is_dir())
+    # What a kill in the middle of writing the next checkpoint leaves: a partial temporary folder.
+    partial = out / f"checkpoint-{complete[-1] + 4}.orbax-checkpoint-tmp-1"
+    shutil.copytree(out / f"checkpoint-{complete[-1]}", partial)
+    shutil.rmtree(partial / "state")
+
+    resumed = check_ok(run(args + ["--resume_from_checkpoint"]))
+    log = resumed.stdout + resumed.stderr
+    assert f"skipping {partial}" in log and f"Resuming at step {complete[-1]}" in log
+    assert complete[-1] < 60, "the kill came too late to test a resume"
+    after = losses_by_step(log)
+    assert before and after and min(map(int, after)) > complete[-1]
+    for step, loss in {**before, **after}.items():
+        assert loss == full_losses[step], (step, loss, full_losses[step])
+    assert (out / "flax_model.msgpack").read_bytes() == (full_dir / "flax_model.msgpack").read_bytes()
+    assert not list(out.glob("*orbax-checkpoint-tmp*"))
+
+
+def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, corpus, tmp_path):
+    full_dir, _ = uninterrupted[MLM]
+
+    def bad(*extra, env=None, output_dir=full_dir):
+        return error_line(
+            run(flax_args(MLM, request, corpus, output_dir, *RESUMABLE, *extra), env=env), "run_mlm_flax.py"
+        )
+
+    assert "--resume_from_checkpoint to continue it" in bad()
+    assert "holds no complete checkpoint" in bad("--resume_from_checkpoint", output_dir=tmp_path / "empty")
+    assert "not a complete checkpoint" in bad("--resume_from_checkpoint", str(tmp_path / "nowhere"))
+    line = bad("--resume_from_checkpoint", "--per_device_train_batch_size", "4")
+    assert "train_batch_size 8" in line and "this run has 4" in line
+    small = tmp_path / "small_config"
+    check_ok(
+        run(
+            [
+                "tokenizers/create_config.py",
+                "--model_type",
+                "roberta",
+                "--tokenizer_name",
+                str(full_dir),
+                "--output_dir",
+                str(small),
+                "--config_overrides",
+                "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64",
+            ]
+        )
+    )
+    assert "another shape" in bad("--resume_from_checkpoint", "--config_name", str(small))
+    # The same global batch over two devices (4 rows each) resumes, and says what differs.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copytree(full_dir / "checkpoint-56", moved / "checkpoint-56")
+    extra = ("--resume_from_checkpoint", "--per_device_train_batch_size", "4", "--mlm_probability", "0.2")
+    result = check_ok(run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *extra), env=TWO_DEVICES))
+    assert "other objective settings; going on with this run's: --mlm_probability 0.15 -> 0.2" in result.stderr
+    assert "written on 1 devices and this run has 2" in result.stderr and sorted(
+        map(int, losses_by_step(result.stdout + result.stderr))
+    ) == [58, 60]

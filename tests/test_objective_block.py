@@ -1,0 +1,69 @@
+"""The objective block holds any objective: ELECTRA (tests/electra_block.py: two models, two loss terms with their
+own denominators, sampling in evaluation) pasted in place of run_mlm_flax.py's block, nothing else changed."""
+
+import difflib
+import json
+import shutil
+from pathlib import Path
+
+from conftest import ROOT, TWO_DEVICES, check_ok, error_line, losses_by_step, run, script_args
+
+START, END = "# === the objective", "# === end of the objective"
+
+
+def electra_script(tmp_path):
+    """A copy of run_mlm_flax.py with the ELECTRA block between the banners; checks that only the block differs."""
+    original = (Path(ROOT) / "flax" / "run_mlm_flax.py").read_text()
+    block = (Path(ROOT) / "tests" / "electra_block.py").read_text().rstrip() + "\n\n\n"
+    copy = original[: original.index(START)] + block + original[original.index(END) :]
+    before, after = original.splitlines(), copy.splitlines()
+    first = next(i for i, line in enumerate(before) if line.startswith(START))
+    last = next(i for i, line in enumerate(before) if line.startswith(END))
+    for tag, i1, i2, _, _ in difflib.SequenceMatcher(None, before, after, autojunk=False).get_opcodes():
+        assert tag == "equal" or first <= i1 <= i2 <= last, (tag, i1, i2)
+    script = tmp_path / "run_electra_flax.py"
+    script.write_text(copy)
+    return script
+
+
+def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
+    """Also: the copy refuses bad input and logs under its own name, never the original's."""
+    from transformers import AutoTokenizer, ElectraConfig, FlaxElectraForMaskedLM, FlaxElectraForPreTraining
+
+    script, model_dir = electra_script(tmp_path), tmp_path / "electra"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sizes = dict(hidden_size=64, embedding_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    ElectraConfig(
+        vocab_size=len(tokenizer), max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, **sizes
+    ).save_pretrained(model_dir)
+
+    def train(output_dir, *extra):
+        args = script_args(str(script), "electra", model_dir, corpus, output_dir, "--max_seq_length", "32")
+        extra = ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *extra)
+        extra += ("--max_steps", "8", "--save_steps", "4", "--logging_steps", "2", "--learning_rate", "2e-3")
+        result = check_ok(run([*args, *extra, "--do_train", "--do_eval"], env=TWO_DEVICES))
+        return result.stdout + result.stderr
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    log = train(full)
+    results = json.loads((full / "all_results.json").read_text())
+    names = ("generator_loss", "generator_accuracy", "discriminator_loss", "discriminator_accuracy")
+    assert all(0 <= results[f"eval_{name}"] for name in names) and results["eval_discriminator_accuracy"] > 0.5
+    assert results["eval_loss"] == results["eval_generator_loss"] + 50 * results["eval_discriminator_loss"]
+    assert "| discriminator_accuracy " in log and results["eval_masked_tokens"] > 0
+    # Both models load with from_pretrained: the discriminator from output_dir, the generator from its folder.
+    assert FlaxElectraForPreTraining.from_pretrained(full).config.hidden_size == 64
+    assert FlaxElectraForMaskedLM.from_pretrained(full / "generator").config.hidden_size == 16
+    # Resumed from its step-4 checkpoint, the run ends with the same weights and losses, bit for bit.
+    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
+    resumed_log = train(resumed, "--resume_from_checkpoint")
+    for weights in ("flax_model.msgpack", "generator/flax_model.msgpack"):
+        assert (full / weights).read_bytes() == (resumed / weights).read_bytes()
+    full_losses, resumed_losses = losses_by_step(log), losses_by_step(resumed_log)
+    assert sorted(resumed_losses) == ["6", "8"] and all(full_losses[s] == resumed_losses[s] for s in resumed_losses)
+    assert json.loads((resumed / "eval_results.json").read_text())["eval_loss"] == results["eval_loss"]
+    line = error_line(run([str(script), "--output_dir", str(tmp_path / "refused"), "--no_such_flag"]), script.name)
+    assert "unknown argument --no_such_flag" in line
+    written = "".join(p.read_text() for p in full.rglob("*") if p.is_file() and p.suffix in (".json", ".txt"))
+    assert "run_mlm_flax" not in log + resumed_log + written
