@@ -243,7 +243,8 @@ def worker_flax(spec, batches):
         def loss_fn(params):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "masked_positions")}
             logits = mlm.masked_lm_logits(model, params, inputs, bf16)
-            return mlm.token_sums(logits, batch["labels"], batch["labels"] != -100)["loss"]
+            loss, _, count = mlm.token_sums(logits, batch["labels"], batch["labels"] != -100)
+            return loss, count
 
         grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=mlm.save_all_but_transcendentals), has_aux=True)
         (loss, count), grad = grad_fn(state.params)

@@ -31,7 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-os.environ.setdefault("USE_TF", "0")  # never needed here; transformers would import it
+os.environ.setdefault("USE_TF", "0")  # never needed here; transformers would import them (seconds at every start)
+os.environ.setdefault("USE_TORCH", "0")
 
 import flax.linen as nn
 import jax

@@ -46,9 +46,11 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-# This script never uses TensorFlow, but transformers imports it (about 3 s) to test whether a
-# tensor is a TF tensor when both are installed. USE_TF=1 in the environment still overrides.
+# This script never uses TensorFlow or PyTorch, but transformers imports whichever is installed (TensorFlow to test
+# whether a tensor is a TF tensor, PyTorch with its compiler and distributed modules): about 6 s of every start on a
+# 2-core AMD EPYC. USE_TF=1 or USE_TORCH=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
+os.environ.setdefault("USE_TORCH", "0")
 
 import datasets
 import flax.linen as nn
@@ -62,6 +64,7 @@ from datasets import load_dataset
 from etils import epath
 from flax.training import train_state
 from jax import lax
+from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
@@ -256,7 +259,8 @@ def loss_sums(model, params, batch, rng, train, bf16):
     t + 1 wherever both are real (not padding)."""
     logits = model_logits(model, params, batch, bf16, dropout_rng=rng, train=train)
     mask = batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]
-    return token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+    loss, correct, count = token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+    return {"loss": (loss, count), "accuracy": (correct, count)}
 
 
 # === end of the objective ==========================================================================================
@@ -275,6 +279,7 @@ def main(argv=None):
     raw_datasets = load_raw_datasets(model_args, data_args)
     config, tokenizer = load_config_and_tokenizer(model_args)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+    fit_attention(config, max_seq_length)
     dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
     collator = build_collator(data_args, config, tokenizer, max_seq_length)
@@ -287,11 +292,9 @@ def main(argv=None):
     model, state, schedule = build_train_state(
         model_args, training_args, config, plan, abstract=checkpoint is not None
     )
-    progress = TrainingProgress()
+    progress, settings = TrainingProgress(), objective_settings(data_args)
     if checkpoint is not None:
-        state, progress = restore_checkpoint(
-            checkpoint, state, plan, training_args.seed, objective_settings(data_args)
-        )
+        state, progress = restore_checkpoint(checkpoint, state, plan, training_args.seed, settings)
     logger.info(
         f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
         f"{plan.num_devices} devices ({plan.local_devices} local), --{LENGTH_FLAG} {max_seq_length}"
@@ -300,9 +303,7 @@ def main(argv=None):
     os.makedirs(training_args.output_dir, exist_ok=True)
     eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
     writer = open_summary_writer(training_args)
-    run = Run(
-        training_args, plan, model, tokenizer, collator, dataset, hub, writer, eval_step, objective_settings(data_args)
-    )
+    run = Run(training_args, plan, model, tokenizer, collator, dataset, hub, writer, eval_step, settings)
     state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
 
     last_eval = None
@@ -392,7 +393,7 @@ def make_train_step(model, schedule, bf16, seed):
         ]
         grad = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), scaled)
         metrics = objective_means(sums)
-        metrics.update(learning_rate=schedule(state.step), grad_norm=optax.global_norm(grad))
+        metrics.update(learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
     return jax.pmap(train_step, "batch", donate_argnums=(0,))
@@ -460,20 +461,22 @@ def train(state, train_step, run, progress):
                 )
                 loop.pending.append((progress.global_step, metrics))
                 bar.update(1)
-                after_step(state, run, progress, loop, end_of_epoch=index == len(batches) - 1)
+                logged = after_step(state, run, progress, loop, end_of_epoch=index == len(batches) - 1)
+                if logged:
+                    bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
     return state, train_summary(plan, progress, loop), loop.last_eval
 
 
 def after_step(state, run, progress, loop, end_of_epoch):
     """What follows a step: a log line every --logging_steps, an evaluation every --eval_steps (default: each
-    epoch) and a checkpoint every --save_steps, each also after the last step."""
-    args, step = run.args, progress.global_step
+    epoch) and a checkpoint every --save_steps, each also after the last step. Returns the logged means, if any."""
+    args, step, logged = run.args, progress.global_step, None
     last = step == run.plan.total_steps
     if step % args.logging_steps == 0 or last:
         fetched = fetch_metrics(loop.pending, progress)
         loop.losses.extend(m["loss"] for m in fetched)
         flops = loop.flops and loop.flops * run.plan.num_devices
-        log_training(progress, fetched[-1], run.plan, loop.window, flops, args.peak_tflops, run.writer)
+        logged = log_training(progress, fetched[-1], run.plan, loop.window, flops, args.peak_tflops, run.writer)
     due = step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last
     if run.eval_step is not None and due:
         with loop.window.paused():
@@ -483,6 +486,7 @@ def after_step(state, run, progress, loop, end_of_epoch):
         with loop.window.paused():
             loop.losses.extend(m["loss"] for m in fetch_metrics(loop.pending, progress))
             progress.last_checkpoint = save_checkpoint(state, progress, run)
+    return logged
 
 
 def evaluate_and_write_results(params, run, progress, last_eval):
@@ -746,7 +750,10 @@ def init_distributed():
     """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID when set, else wherever JAX finds the cluster itself (TPU pod
     slices, SLURM, Open MPI). On one host JAX devices are first touched after preprocessing, so datasets'
-    worker processes fork before JAX starts threads."""
+    worker processes fork before JAX starts threads. Once JAX runs (main() called again in one process, as
+    upstream's example tests do) there is nothing left to join."""
+    if xla_bridge.backends_are_initialized():
+        return
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         try:
             jax.distributed.initialize(
@@ -1078,22 +1085,42 @@ def objective_means(sums):
 
 
 def token_sums(logits, labels, mask):
-    """Summed cross-entropy and correct predictions where `mask` is set, each with the count of those tokens."""
+    """The summed cross-entropy and the number of correct predictions where `mask` is set, and those tokens' count."""
     logits = logits.astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0)) * mask
-    accuracy = (jnp.argmax(logits, axis=-1) == labels) * mask
-    return {"loss": (loss.sum(), mask.sum()), "accuracy": (accuracy.sum(), mask.sum())}
+    return loss.sum(), ((jnp.argmax(logits, axis=-1) == labels) * mask).sum(), mask.sum()
+
+
+def fit_attention(config, length):
+    """BigBird's block-sparse attention (its default) takes rows of a multiple of block_size tokens. Rows of at most
+    (5 + 2 * num_random_blocks) blocks attend in full instead, as PyTorch's BigBird does, and so does a decoder (its
+    block-sparse attention is not causal); the config saved says original_full."""
+    if getattr(config, "attention_type", None) != "block_sparse":
+        return
+    block = config.block_size
+    if length <= (5 + 2 * config.num_random_blocks) * block or config.is_decoder:
+        why = "block-sparse attention is not causal" if config.is_decoder else f"--{LENGTH_FLAG} {length} is too short"
+        logger.warning(f"{why}: attending in full (attention_type original_full)")
+        config.attention_type = "original_full"
+    elif length % block:
+        fail(
+            f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse "
+            f"attention: pass {length - length % block} or {length - length % block + block}"
+        )
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
     """The model's logits, under the given flax method interceptors and, with --dtype bfloat16, bf16_dense. Dropout is
-    switched on the way the model's __call__ takes it: `train`, or `deterministic` (OPT)."""
-    takes_train = "train" in inspect.signature(model.__call__).parameters
-    dropout = {"train": train} if takes_train else {"deterministic": not train}
+    switched on the way the model's __call__ takes it: `train`, or `deterministic` (OPT); in training, BigBird's
+    block-sparse attention draws its random blocks from an `indices_rng` derived from the dropout rng."""
+    takes = inspect.signature(model.__call__).parameters
+    mode = {"train": train} if "train" in takes else {"deterministic": not train}
+    if "indices_rng" in takes and dropout_rng is not None:
+        mode["indices_rng"] = jax.random.fold_in(dropout_rng, 1)
     with contextlib.ExitStack() as stack:
         for interceptor in [*interceptors, *([bf16_dense] if bf16 else [])]:
             stack.enter_context(nn.intercept_methods(interceptor))
-        return model(**batch, params=params, dropout_rng=dropout_rng, **dropout)[0]
+        return model(**batch, params=params, dropout_rng=dropout_rng, **mode)[0]
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
@@ -1409,14 +1436,14 @@ class Window:
 
 def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, writer):
     """One line and TensorBoard scalars: the objective's mean metrics since the last line, and the throughput of
-    the steps timed since then (none when the only one was the first, which compiles)."""
+    the steps timed since then (none when the only one was the first, which compiles). Returns those means."""
     means = {name: float(np.mean([m[name] for m in progress.log_window])) for name in progress.log_window[0]}
     progress.log_window = []
     epoch = progress.global_step / plan.steps_per_epoch
     scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
     line = (
-        f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means.pop('loss'):.4f} | "
-        + "".join(f"{name} {value:.4f} | " for name, value in means.items())
+        f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
+        + "".join(f"{name} {value:.4f} | " for name, value in means.items() if name != "loss")
     )
     line += f"lr {metrics['learning_rate']:.3e} | grad norm {metrics['grad_norm']:.3f}"
     if window.steps:
@@ -1434,6 +1461,7 @@ def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, w
         for name, value in scalars.items():
             writer.add_scalar(f"train/{name}", value, progress.global_step)
     window.reset()
+    return means
 
 
 def log_eval(metrics, step, writer):

@@ -4,8 +4,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,10 +41,34 @@ def load_script(relpath, name):
     return module
 
 
+def script_env(env=None):
+    return {**{k: v for k, v in os.environ.items() if k not in FRAMEWORK_SWITCHES}, **(env or {})}
+
+
 def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
     """Run a project script as a file, as a user would; returns the CompletedProcess."""
-    full_env = {**{k: v for k, v in os.environ.items() if k not in FRAMEWORK_SWITCHES}, **(env or {})}
-    return subprocess.run([python, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [python, *args], cwd=cwd, env=script_env(env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def kill_after_first_checkpoint(args, output_dir, env=None):
+    """Start a training run and kill -9 it once its first checkpoint (checkpoint-4) is complete; return what it
+    printed."""
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=script_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while not (output_dir / "checkpoint-4" / "trainer_state").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.communicate()[0]
 
 
 def check_ok(result):
@@ -205,15 +231,17 @@ def bart_dir(corpus, tmp_path_factory):
 # run.sh runs the suite under pytest-xdist, each worker taking whole files in this order (--dist loadfile
 # --no-loadscope-reorder): the longest files first, so that none of them is left to run alone at the end.
 LONGEST_FIRST = (
-    "test_bad_input.py",
-    "test_flax_training.py",
     "test_tensorflow.py",
-    "test_bf16.py",
-    "test_run_mlm_flax.py",
-    "test_flax_resume.py",
+    "test_flax_training.py",
     "test_benchmark_end_to_end.py",
-    "test_benchmark.py",
+    "test_bf16.py",
     "test_pytorch_run_mlm.py",
+    "test_benchmark.py",
+    "test_flax_resume.py",
+    "test_run_mlm_flax.py",
+    "test_bad_input.py",
+    "test_objective_block.py",
+    "test_architectures.py",
 )
 
 

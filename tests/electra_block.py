@@ -116,10 +116,10 @@ def loss_sums(model, params, batch, rng, train, bf16):
         dropout_rng=discriminator_rng,
         train=train,
     ).astype(jnp.float32)
-    generator_sums = token_sums(logits, labels, masked)
+    generator_loss, generator_correct, count = token_sums(logits, labels, masked)
     return {
-        "generator_loss": generator_sums["loss"],
-        "generator_accuracy": generator_sums["accuracy"],
+        "generator_loss": (generator_loss, count),
+        "generator_accuracy": (generator_correct, count),
         "discriminator_loss": ((optax.sigmoid_binary_cross_entropy(scores, replaced) * real).sum(), real.sum()),
         "discriminator_accuracy": ((((scores > 0) == replaced) * real).sum(), real.sum()),
     }

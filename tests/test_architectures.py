@@ -16,6 +16,7 @@ MAPPINGS = {
 # The causal-LM mapping also holds encoders (bert, big_bird, electra, roberta, roberta-prelayernorm, xlm-roberta)
 # whose Flax models attend in both directions unless their config says is_decoder=True: run_clm_flax.py sets it.
 SEQ_LEN = 32
+SPARSE_LEN = 128  # BigBird's block-sparse attention below, with blocks of 16 tokens and one random block
 # Tiny sizes, each set on the configs that have the attribute (directly or through their attribute_map).
 TINY = dict(
     hidden_size=32,
@@ -89,8 +90,9 @@ def train_rows(scripts, tokenizer, corpus):
     lines = (corpus / "train_slice.txt").read_text().splitlines()[:200]
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": lines})})
     return {
-        path: script.preprocess(raw, script.DataTrainingArguments(), tokenizer, SEQ_LEN)["train"]
+        (path, length): script.preprocess(raw, script.DataTrainingArguments(), tokenizer, length)["train"]
         for path, script in scripts.items()
+        for length in (SEQ_LEN, SPARSE_LEN)
     }
 
 
@@ -105,9 +107,9 @@ def tiny_config(model_type, tokenizer):
     return config
 
 
-def script_args(script, train_file, output_dir, **model_args):
-    """The script's three argument groups, for two training steps on rows of SEQ_LEN tokens."""
-    data_args = script.DataTrainingArguments(train_file=str(train_file), **{script.LENGTH_FLAG: SEQ_LEN})
+def script_args(script, train_file, output_dir, length=SEQ_LEN, **model_args):
+    """The script's three argument groups, for two training steps on rows of `length` tokens."""
+    data_args = script.DataTrainingArguments(train_file=str(train_file), **{script.LENGTH_FLAG: length})
     training_args = script.TrainingArguments(
         output_dir=str(output_dir),
         do_train=True,
@@ -125,7 +127,8 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     script.validate_args(model_args, data_args, training_args)
     config, tokenizer = script.load_config_and_tokenizer(model_args)
     length = script.resolve_max_seq_length(data_args, config, tokenizer)
-    assert length == SEQ_LEN
+    assert length == getattr(data_args, script.LENGTH_FLAG)
+    script.fit_attention(config, length)
     plan = script.plan_training(training_args, {"train": rows}, length)
     collator = script.build_collator(data_args, config, tokenizer, length)
     model, state, schedule = script.build_train_state(model_args, training_args, config, plan)
@@ -167,10 +170,41 @@ def test_every_mapped_architecture_trains(
     files = dict(train_file=corpus / "train_slice.txt", output_dir=tmp_path / "out")
     from_config = dict(config_name=str(tmp_path / "model"), tokenizer_name=str(tiny_model_dir))
     model, params, batch, metrics = train_two_steps(
-        script, *script_args(script, **files, model_type=model_type, **from_config), train_rows[path]
+        script, *script_args(script, **files, model_type=model_type, **from_config), train_rows[path, SEQ_LEN]
     )
     for step in metrics:
         assert math.isfinite(step["loss"]) and step["loss"] > 0, metrics
         assert math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0, metrics
     if script.OBJECTIVE == "causal-LM":
         assert_causal(script, model, params, batch, model_type)
+
+
+@pytest.mark.parametrize("path", MAPPINGS)
+def test_bigbird_block_sparse_attention(path, scripts, tokenizer, train_rows, tiny_model_dir, corpus, tmp_path):
+    """BigBird's default attention, block-sparse, trains (drawing its random blocks from an rng of its own) on rows of
+    a multiple of block_size tokens, more than (5 + 2 * num_random_blocks) blocks; shorter rows attend in full, as in
+    PyTorch's BigBird, and so does the causal LM (block-sparse attention is not causal); a length that is not a
+    multiple is refused in one line, and so is --line_by_line without --pad_to_max_length."""
+    script = scripts[path]
+    config = tiny_config("big_bird", tokenizer)
+    config.update(dict(attention_type="block_sparse", block_size=16, num_random_blocks=1, max_position_embeddings=256))
+    config.save_pretrained(tmp_path / "model")
+    files = dict(train_file=corpus / "train_slice.txt", output_dir=tmp_path / "out", length=SPARSE_LEN)
+    from_config = dict(config_name=str(tmp_path / "model"), tokenizer_name=str(tiny_model_dir))
+    model_args, data_args, training_args = script_args(script, **files, model_type="big_bird", **from_config)
+    model, params, batch, metrics = train_two_steps(
+        script, model_args, data_args, training_args, train_rows[path, SPARSE_LEN]
+    )
+    assert all(math.isfinite(step["loss"]) and step["grad_norm"] > 0 for step in metrics), metrics
+    if script.OBJECTIVE == "causal-LM":
+        assert model.config.attention_type == "original_full"
+        return assert_causal(script, model, params, batch, "big_bird")
+    assert model.config.attention_type == "block_sparse"
+    data_args.line_by_line = True
+    with pytest.raises(SystemExit, match="--line_by_line with block-sparse attention .* needs --pad_to_max_length"):
+        script.resolve_max_seq_length(data_args, config, tokenizer)
+    script.fit_attention(config, 112)
+    assert config.attention_type == "original_full"
+    config.attention_type = "block_sparse"
+    with pytest.raises(SystemExit, match=f"--{script.LENGTH_FLAG} 120 is not a multiple of 16.*pass 112 or 128"):
+        script.fit_attention(config, 120)

@@ -1,23 +1,10 @@
 """Exact resume in the Flax scripts: kill -9 then --resume_from_checkpoint is bitwise an uninterrupted run; the
 refusals of a resume that cannot be exact. Its own file, so that the suite's workers (one file each) balance."""
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import (
-    ROOT,
-    TWO_DEVICES,
-    check_ok,
-    error_line,
-    flax_args,
-    losses_by_step,
-    run,
-)
+from conftest import TWO_DEVICES, check_ok, error_line, flax_args, kill_after_first_checkpoint, losses_by_step, run
 
 MLM = "flax/run_mlm_flax.py"
 T5 = "flax/run_t5_mlm_flax.py"
@@ -40,19 +27,6 @@ RESUMABLE = [
     "--report_to",
     "none",
 ]
-
-
-def kill_after_first_checkpoint(args, output_dir):
-    """Start a training run and kill -9 it once its first checkpoint is complete; return what it printed."""
-    proc = subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    deadline = time.time() + 300
-    while not (output_dir / "checkpoint-4" / "trainer_state").is_dir():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    return proc.communicate()[0]
 
 
 @pytest.fixture(scope="module")

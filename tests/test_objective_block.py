@@ -3,10 +3,20 @@ own denominators, sampling in evaluation) pasted in place of run_mlm_flax.py's b
 
 import difflib
 import json
+import re
 import shutil
 from pathlib import Path
 
-from conftest import ROOT, TWO_DEVICES, check_ok, error_line, losses_by_step, run, script_args
+from conftest import (
+    ROOT,
+    TWO_DEVICES,
+    check_ok,
+    error_line,
+    kill_after_first_checkpoint,
+    losses_by_step,
+    run,
+    script_args,
+)
 
 START, END = "# === the objective", "# === end of the objective"
 
@@ -38,32 +48,38 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
         vocab_size=len(tokenizer), max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, **sizes
     ).save_pretrained(model_dir)
 
-    def train(output_dir, *extra):
+    def command(output_dir, *extra):
         args = script_args(str(script), "electra", model_dir, corpus, output_dir, "--max_seq_length", "32")
         extra = ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", *extra)
-        extra += ("--max_steps", "8", "--save_steps", "4", "--logging_steps", "2", "--learning_rate", "2e-3")
-        result = check_ok(run([*args, *extra, "--do_train", "--do_eval"], env=TWO_DEVICES))
+        extra += ("--max_steps", "12", "--save_steps", "4", "--logging_steps", "2", "--learning_rate", "2e-3")
+        return [*args, *extra, "--do_train", "--do_eval"]
+
+    def train(output_dir, *extra):
+        result = check_ok(run(command(output_dir, *extra), env=TWO_DEVICES))
         return result.stdout + result.stderr
 
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full, killed = tmp_path / "full", tmp_path / "killed"
     log = train(full)
     results = json.loads((full / "all_results.json").read_text())
     names = ("generator_loss", "generator_accuracy", "discriminator_loss", "discriminator_accuracy")
     assert all(0 <= results[f"eval_{name}"] for name in names) and results["eval_discriminator_accuracy"] > 0.5
     assert results["eval_loss"] == results["eval_generator_loss"] + 50 * results["eval_discriminator_loss"]
-    assert "| discriminator_accuracy " in log and results["eval_masked_tokens"] > 0
+    assert (
+        "| discriminator_accuracy " in log and "discriminator_accuracy=" in log and results["eval_masked_tokens"] > 0
+    )
     # Both models load with from_pretrained: the discriminator from output_dir, the generator from its folder.
     assert FlaxElectraForPreTraining.from_pretrained(full).config.hidden_size == 64
     assert FlaxElectraForMaskedLM.from_pretrained(full / "generator").config.hidden_size == 16
-    # Resumed from its step-4 checkpoint, the run ends with the same weights and losses, bit for bit.
-    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
-    resumed_log = train(resumed, "--resume_from_checkpoint")
+    # Killed once its first checkpoint is complete, then resumed: the same weights and losses, bit for bit.
+    killed_log = kill_after_first_checkpoint(command(killed), killed, env=TWO_DEVICES)
+    resumed_log = train(killed, "--resume_from_checkpoint")
+    assert int(re.search(r"Resuming at step (\d+)", resumed_log).group(1)) < 12, "the kill came too late"
     for weights in ("flax_model.msgpack", "generator/flax_model.msgpack"):
-        assert (full / weights).read_bytes() == (resumed / weights).read_bytes()
-    full_losses, resumed_losses = losses_by_step(log), losses_by_step(resumed_log)
-    assert sorted(resumed_losses) == ["6", "8"] and all(full_losses[s] == resumed_losses[s] for s in resumed_losses)
-    assert json.loads((resumed / "eval_results.json").read_text())["eval_loss"] == results["eval_loss"]
+        assert (full / weights).read_bytes() == (killed / weights).read_bytes()
+    full_losses, after = losses_by_step(log), losses_by_step(resumed_log)
+    assert after and all(full_losses[s] == loss for s, loss in {**losses_by_step(killed_log), **after}.items())
+    assert json.loads((killed / "eval_results.json").read_text())["eval_loss"] == results["eval_loss"]
     line = error_line(run([str(script), "--output_dir", str(tmp_path / "refused"), "--no_such_flag"]), script.name)
     assert "unknown argument --no_such_flag" in line
     written = "".join(p.read_text() for p in full.rglob("*") if p.is_file() and p.suffix in (".json", ".txt"))
-    assert "run_mlm_flax" not in log + resumed_log + written
+    assert "run_mlm_flax" not in log + killed_log + resumed_log + written

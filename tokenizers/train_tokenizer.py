@@ -27,6 +27,11 @@ import shutil
 import sys
 import tempfile
 
+# Only configs and tokenizers: keep transformers from importing PyTorch and TensorFlow (seconds at every start; with
+# all three frameworks hidden it warns that models are unavailable).
+os.environ.setdefault("USE_TORCH", "0")
+os.environ.setdefault("USE_TF", "0")
+
 from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
 
 from tokenizers import ByteLevelBPETokenizer, processors
