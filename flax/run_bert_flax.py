@@ -69,34 +69,21 @@ def fail(message):
 
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):
-    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
-    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
-    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
-    try:
-        with open(cpuinfo) as f:
-            first_cpu = f.read().split("\n\n")[0]
-    except OSError:
-        first_cpu = ""
+    """(CPU model, its bf16 support) from cpuinfo's flags (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware), "none, AVX2 only" or the like (bf16 computed in f32 or emulated: no faster than float32, or slower),
+    "unknown" (no cpuinfo). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    first_cpu = ""
+    with contextlib.suppress(OSError), open(cpuinfo) as f:
+        first_cpu = f.read().split("\n\n")[0]
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
-    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = (
-        "AMX-BF16"
-        if "amx_bf16" in flags
-        else "AVX-512 BF16"
-        if "avx512_bf16" in flags
-        else "unknown"
-        if not flags
-        else f"none, {widest} only"
-        if widest
-        else "none"
-    )
+    widest = next((f", {name} only" for name in ("AVX-512F", "AVX2") if name.lower().replace("-", "") in flags), "")
+    support = "AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else f"none{widest}"
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
-    if override:
-        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
-    return fields.get("model name", "unknown CPU"), support
+    overrides = {"": support if flags else "unknown", "1": "native, LM_CPU_BF16=1", "0": "none, LM_CPU_BF16=0"}
+    return fields.get("model name", "unknown CPU"), overrides[override]
 
 
 def warn_if_bf16_is_slow(flag, value):
@@ -144,10 +131,9 @@ def _bf16_matmul_bwd(residuals, grad):
 
 
 def transposes_pay(tokens, kernel_shape):
-    """Whether the kernel-gradient product of `tokens` rows is faster from written-out transposes: measured on
-    CPU for up to 1,024 tokens and layer widths of 512-4,096 (2-2.7x at 768, benchmarks/README.md). Beyond
-    that, XLA:CPU's transposes can cost more than they save; a CPU without bf16 instructions computes the product
-    in f32 either way; other backends take transposed operands as they are."""
+    """Whether the kernel-gradient product of `tokens` rows is faster from written-out transposes: on CPU, for up to
+    1,024 tokens and layer widths of 512-4,096, as measured (benchmarks/README.md); a CPU without bf16 instructions
+    computes the product in f32 either way; other backends take transposed operands as they are."""
     return (
         jax.default_backend() == "cpu"
         and tokens <= 1024

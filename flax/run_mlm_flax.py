@@ -44,9 +44,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-# This script never uses TensorFlow or PyTorch, but transformers imports whichever is installed (TensorFlow to test
-# whether a tensor is a TF tensor, PyTorch with its compiler and distributed modules): about 6 s of every start on a
-# 2-core AMD EPYC. USE_TF=1 or USE_TORCH=1 in the environment still overrides.
+# This script never uses TensorFlow or PyTorch, but transformers imports whichever is installed (seconds of every
+# start). USE_TF=1 or USE_TORCH=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_TORCH", "0")
 
@@ -395,7 +394,7 @@ def loss_sums(model, params, batch, rng, train, bf16):
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
-    setup_logging(training_args)
+    setup_logging(training_args.log_level)
     validate_args(model_args, data_args, training_args)
     checkpoint = find_checkpoint(training_args)
     lock = start_process(model_args, training_args)
@@ -413,9 +412,7 @@ def main(argv=None):
         )
 
     hub = open_hub_repo(training_args)
-    model, state, schedule = build_train_state(
-        model_args, training_args, config, plan, abstract=checkpoint is not None
-    )
+    model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoint))
     progress, settings = TrainingProgress(), objective_settings(data_args)
     if checkpoint is not None:
         state, progress = restore_checkpoint(checkpoint, state, plan, training_args.seed, settings)
@@ -424,7 +421,6 @@ def main(argv=None):
         f"{plan.num_devices} devices ({plan.local_devices} local), --{LENGTH_FLAG} {max_seq_length}"
     )
     bf16 = model_args.dtype == "bfloat16"
-    os.makedirs(training_args.output_dir, exist_ok=True)
     eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
     writer = open_summary_writer(training_args)
     run = Run(training_args, plan, model, tokenizer, collator, dataset, hub, writer, eval_step, settings)
@@ -442,44 +438,40 @@ def main(argv=None):
     del state  # evaluation needs no optimizer state
     if training_args.do_eval:
         evaluate_and_write_results(params, run, progress, last_eval)
-    if run.writer is not None:
-        run.writer.close()
-    if lock is not None:
-        lock.close()
+    for resource in (run.writer, lock):
+        if resource is not None:
+            resource.close()
 
 
 # --- model, steps and loop -----------------------------------------------------------------------------------------
 
 
 def build_train_state(model_args, training_args, config, plan, abstract=False):
-    """The model (build_model) and its train state (parameters, optimizer state, step) on the host, with the
-    learning-rate schedule. abstract=True gives only the state's shapes, as a target to restore a checkpoint into."""
+    """The model (build_model), its train state on the host and the learning-rate schedule; abstract=True gives
+    only the state's shapes, a target to restore a checkpoint into."""
     model, params = build_model(model_args, training_args, config, abstract)
-    schedule = create_learning_rate_fn(
-        max(plan.total_steps, 1), training_args.warmup_steps, training_args.learning_rate
-    )
-    if training_args.adafactor:
-        # Upstream's choice: Adafactor with the same schedule, no decay mask.
+    args = training_args
+    schedule = create_learning_rate_fn(max(plan.total_steps, 1), args.warmup_steps, args.learning_rate)
+    if args.adafactor:  # upstream's choice: the same schedule, no decay mask
         optimizer = optax.adafactor(learning_rate=schedule)
     else:
         optimizer = optax.adamw(
-            learning_rate=schedule,
-            b1=training_args.adam_beta1,
-            b2=training_args.adam_beta2,
-            eps=training_args.adam_epsilon,
-            weight_decay=training_args.weight_decay,
+            schedule,
+            args.adam_beta1,
+            args.adam_beta2,
+            args.adam_epsilon,
+            weight_decay=args.weight_decay,
             mask=decay_mask_fn,
         )
     create = functools.partial(train_state.TrainState.create, apply_fn=None, tx=optimizer)
-    state = jax.eval_shape(create, params=params) if abstract else create(params=params)
-    return model, state, schedule
+    return model, jax.eval_shape(create, params=params) if abstract else create(params=params), schedule
 
 
 def make_train_step(model, schedule, bf16, seed):
-    """The train step, compiled once for all local devices. Its batch holds one row of micro-batches per device
-    (--gradient_accumulation_steps). loss_sums' named sums and counts are added up over every micro-batch of every
-    device before any division, so each metric is the exact mean over the global batch; the update follows the
-    summed loss divided by its count, which is what one batch of that size gives."""
+    """The train step over all local devices; its batch holds one row of micro-batches per device. loss_sums' sums
+    and counts are added over every micro-batch and device before any division, so every mean is exact over the
+    global batch, and each loss term's gradient is divided by its own count: one batch of that size would give
+    the same update."""
     base_key = jax.random.PRNGKey(seed)
 
     def loss_fn(params, batch, dropout_rng):
@@ -489,7 +481,7 @@ def make_train_step(model, schedule, bf16, seed):
     loss_fn = jax.checkpoint(loss_fn, policy=save_all_but_transcendentals)
 
     def grads_fn(params, batch, rng):
-        """loss_sums' sums, and the gradient of each loss term's sum (one backward pass each, one forward)."""
+        """loss_sums' sums, and the gradient of each loss term's sum (one forward pass, one backward pass a term)."""
         terms, vjp_fn, sums = jax.vjp(lambda p: loss_fn(p, batch, rng), params, has_aux=True)
         basis = {name: {other: jnp.ones_like(v) * (other == name) for other, v in terms.items()} for name in terms}
         return sums, {name: vjp_fn(cotangent)[0] for name, cotangent in basis.items()}
@@ -524,8 +516,8 @@ def make_train_step(model, schedule, bf16, seed):
 
 
 def make_eval_step(model, bf16, seed):
-    """The eval step: loss_sums' named sums and counts over every device. Its rng follows (seed, batch index,
-    device), so an objective that samples evaluates the same way at every evaluation."""
+    """loss_sums' sums and counts over every device; the rng follows (seed, batch index, device), so an objective
+    that samples evaluates the same way every time."""
 
     def eval_step(params, batch, index):
         rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), index), lax.axis_index("batch"))
@@ -552,18 +544,11 @@ class Run:
 
 
 def train(state, train_step, run, progress):
-    """Train the replicated `state` from `progress` to plan.total_steps; after each step, log, evaluate and save as
-    due (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
-    plan, args = run.plan, run.args
-    log_training_start(plan, progress)
-    loop = Loop(first_step=progress.global_step)
-    with tqdm(
-        total=plan.total_steps,
-        initial=loop.first_step,
-        desc="Training",
-        disable=plan.process_index != 0,
-        dynamic_ncols=True,
-    ) as bar:  # a context manager: the bar is closed before an error line
+    """Train the replicated `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
+    (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
+    plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
+    bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
+    with bar:  # closed before an error line
         for epoch in range(progress.epoch, plan.num_epochs):
             batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, args.seed, epoch)
             for index in range(progress.batch_in_epoch, len(batches)):
@@ -571,14 +556,8 @@ def train(state, train_step, run, progress):
                     break
                 rows = np.sort(batches[index])
                 batch = collate_batch(run.collator, run.dataset["train"][rows], (args.seed, epoch), rows, len(rows))
-                loop.window.tokens, loop.window.steps = (
-                    loop.window.tokens + batch["input_ids"].size,
-                    loop.window.steps + 1,
-                )
-                loop.tokens += batch["input_ids"].size
-                state, metrics = timed_step(
-                    train_step, state, device_batch(batch, plan, args.gradient_accumulation_steps), loop
-                )
+                batch = device_batch(batch, plan, args.gradient_accumulation_steps)
+                state, metrics = timed_step(train_step, state, batch, loop)
                 progress.global_step += 1
                 progress.epoch, progress.batch_in_epoch = (
                     (epoch, index + 1) if index + 1 < len(batches) else (epoch + 1, 0)
@@ -592,23 +571,18 @@ def train(state, train_step, run, progress):
 
 
 def after_step(state, run, progress, loop, end_of_epoch):
-    """What follows a step: a log line every --logging_steps, an evaluation every --eval_steps (default: each
-    epoch) and a checkpoint every --save_steps, each also after the last step. Returns the logged means, if any."""
+    """A log line every --logging_steps, an evaluation every --eval_steps (default: each epoch) and a checkpoint
+    every --save_steps, each also after the last step. Returns the logged means, if any."""
     args, step, logged = run.args, progress.global_step, None
     last = step == run.plan.total_steps
     if step % args.logging_steps == 0 or last:
-        fetched = fetch_metrics(loop.pending, progress)
-        loop.losses.extend(m["loss"] for m in fetched)
-        flops = loop.flops and loop.flops * run.plan.num_devices
-        logged = log_training(progress, fetched[-1], run.plan, loop.window, flops, args.peak_tflops, run.writer)
-    due = step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last
-    if run.eval_step is not None and due:
-        with loop.window.paused():
-            loop.last_eval = (step, evaluate(state.params, run))
-        log_eval(loop.last_eval[1], step, run.writer)
+        logged = log_training(progress, fetch_metrics(loop, progress), run.plan, loop, args.peak_tflops, run.writer)
+    if run.eval_step is not None and (step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last):
+        with loop.paused():
+            loop.last_eval = (step, evaluate(state.params, run, step))
     if step % args.save_steps == 0 or last:
-        with loop.window.paused():
-            loop.losses.extend(m["loss"] for m in fetch_metrics(loop.pending, progress))
+        with loop.paused():
+            fetch_metrics(loop, progress)
             progress.last_checkpoint = save_checkpoint(state, progress, run)
     return logged
 
@@ -616,34 +590,35 @@ def after_step(state, run, progress, loop, end_of_epoch):
 def evaluate_and_write_results(params, run, progress, last_eval):
     """eval_results.json from the evaluation at the last step, run now if training did not end with one."""
     if last_eval is None or last_eval[0] != progress.global_step:
-        last_eval = (progress.global_step, evaluate(params, run))
-        log_eval(last_eval[1], progress.global_step, run.writer)
+        last_eval = (progress.global_step, evaluate(params, run, progress.global_step))
     epoch = progress.global_step / run.plan.steps_per_epoch if run.plan.steps_per_epoch else 0.0
     eval_metrics = {**last_eval[1], "epoch": epoch}
     write_results(run.args.output_dir, "eval", eval_metrics)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
 
 
-def evaluate(params, run):
-    """Every named mean of loss_sums over every example of the validation set, and the perplexity, with each
-    example's noise drawn from (seed, index): the same at every evaluation, whatever the batch size or device
-    count."""
+def evaluate(params, run, step):
+    """Every named mean of loss_sums over the whole validation set, and the perplexity, logged as of `step`; each
+    example's noise comes from (seed, index), so every evaluation scores the same tokens, whatever the batch size or
+    device count."""
     plan, dataset, started, totals = run.plan, run.dataset["validation"], time.perf_counter(), {}
     batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
     for index, rows in enumerate(tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0)):
-        batch = device_batch(
-            collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size), plan
+        batch = collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size)
+        sums = unreplicate(
+            run.eval_step(params, device_batch(batch, plan), np.full(plan.local_devices, index, np.int32))
         )
-        sums = unreplicate(run.eval_step(params, batch, np.full(plan.local_devices, index, np.int32)))
         for name, (total, count) in sums.items():
             previous = totals.get(name, (0.0, 0.0))
             totals[name] = (previous[0] + float(total), previous[1] + float(count))
+    means = objective_means(totals)
+    means["perplexity"] = math.exp(means["loss"]) if means["loss"] < 700 else float("inf")
+    logger.info(f"Step {step}: " + ", ".join(f"eval {name} {value:.4f}" for name, value in means.items()))
+    for name, value in means.items() if run.writer is not None else ():
+        run.writer.add_scalar(f"eval/{name}", value, step)
     runtime = time.perf_counter() - started
-    metrics = {f"eval_{name}": value for name, value in objective_means(totals).items()}
-    loss = metrics["eval_loss"]
     return {
-        **metrics,
-        "eval_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+        **{f"eval_{name}": value for name, value in means.items()},
         f"eval_{SCORED_TOKENS}": int(totals[next(iter(LOSS_TERMS))][1]),
         "eval_samples": len(dataset),
         "eval_runtime": runtime,
@@ -667,25 +642,9 @@ def first_line(error):
     return str(error).splitlines()[0] if str(error) else ""
 
 
-def hub_reachable(timeout=5.0):
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    import requests
-
-    try:
-        requests.head(constants.ENDPOINT, timeout=timeout)
-        return True
-    except requests.RequestException:
-        return False
-
-
 def check_hub_name(flag, name):
     """A name that is not a local path is a hub id: fail at once if the hub cannot be reached."""
-    if name is None or os.path.exists(name):
-        return
-    if not hub_reachable():
+    if name is not None and not os.path.exists(name) and not hub_reachable():
         fail(
             f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
@@ -693,9 +652,19 @@ def check_hub_name(flag, name):
         )
 
 
+def hub_reachable(timeout=5.0):
+    import requests
+    from huggingface_hub import constants
+
+    try:
+        return not constants.HF_HUB_OFFLINE and requests.head(constants.ENDPOINT, timeout=timeout) is not None
+    except requests.RequestException:
+        return False
+
+
 def parse_args(argv=None):
-    """The three argument groups, from the command line or from one JSON file. A flag that does not exist (a
-    typo), a malformed value or a missing file gets one line naming it, not argparse's usage block."""
+    """The three argument groups, from the command line or one JSON file, with their values checked (RANGES,
+    CHOICES). A flag that does not exist, a malformed value or a missing file is one line, not argparse's usage."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     parser.error = fail
     argv = sys.argv[1:] if argv is None else argv
@@ -703,97 +672,26 @@ def parse_args(argv=None):
         if not os.path.isfile(argv[0]):
             fail(f"arguments file {argv[0]} does not exist")
         try:
-            return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+            groups = parser.parse_json_file(json_file=os.path.abspath(argv[0]))
         except ValueError as e:  # also malformed JSON
             fail(f"arguments file {argv[0]}: {first_line(e)}")
-    *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    if unknown:
-        flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        close = difflib.get_close_matches(
-            flag, [option for action in parser._actions for option in action.option_strings], n=1
-        )
-        fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+    else:
+        *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if unknown:
+            flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
+            options = [option for action in parser._actions for option in action.option_strings]
+            close = difflib.get_close_matches(flag, options, n=1)
+            fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+    for group in groups:
+        for test, what, names in RANGES:
+            for name in names.split():
+                value = getattr(group, name, None)
+                if value is not None and not test(value):
+                    fail(f"--{name} must be {what}, got {value}")
+        for name, words in CHOICES.items():
+            if hasattr(group, name) and getattr(group, name) not in words:
+                fail(f"--{name} must be one of {', '.join(words)}, got {getattr(group, name)!r}")
     return groups
-
-
-def setup_logging(training_args):
-    level = {"passive": logging.INFO}.get(
-        training_args.log_level, getattr(logging, training_args.log_level.upper(), None)
-    )
-    if not isinstance(level, int):
-        fail(
-            f"--log_level must be one of debug, info, warning, error, critical, passive; got {training_args.log_level!r}"
-        )
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True
-    )
-    datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
-    logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
-
-
-def validate_args(model_args, data_args, training_args):
-    if data_args.dataset_name is None and data_args.train_file is None and data_args.validation_file is None:
-        fail("need --dataset_name or --train_file/--validation_file")
-    for flag, path in (("--train_file", data_args.train_file), ("--validation_file", data_args.validation_file)):
-        if path is not None:
-            check_data_file(flag, path)
-    if data_args.train_file and data_args.validation_file:
-        extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
-        if len(extensions) > 1:
-            fail(
-                f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}"
-            )
-    check_ranges(model_args, data_args, training_args)
-    if data_args.dump_noised_examples and not training_args.do_train:
-        fail("--dump_noised_examples N shows the first N rows a training run would see: add the run's own --do_train")
-    validate_objective(data_args)
-    validate_training_args(training_args)
-    if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
-        fail(
-            f"--model_type {model_args.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
-        )
-    validate_model_args(model_args)
-    check_hub_name("--dataset_name", data_args.dataset_name)
-
-
-def check_data_file(flag, path):
-    """A train or validation file: a file (not a folder) of a supported extension, not empty, and UTF-8 text
-    (for other bytes the datasets loader says only that generating the dataset failed)."""
-    if os.path.isdir(path):
-        fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
-    extension = path.split(".")[-1]
-    if extension not in ("csv", "json", "txt"):
-        fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
-    if not os.path.isfile(path):
-        fail(f"{flag} {path} does not exist")
-    decoder, line, empty, newline = codecs.getincrementaldecoder("utf-8")(), 1, True, b"\n"
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            empty = empty and not chunk.strip()
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                where = line + chunk.count(newline, 0, e.start)
-                fail(
-                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                    "e.g. with iconv -f latin1 -t utf-8"
-                )
-            line += chunk.count(newline)
-    if empty:
-        fail(f"{flag} {path} is empty")
-
-
-def check_writable(flag, path):
-    """Fail unless the folder `path` (existing or not) can be created and written into; leaves no trace."""
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        fail(f"{flag} {path}: {parent} is a file, not a folder")
-    try:
-        shutil.rmtree(tempfile.mkdtemp(prefix=".write-test-", dir=parent))
-    except OSError as e:
-        fail(f"{flag} {path} cannot be written ({e.strerror} in {parent}); choose another folder")
 
 
 # What each numeric argument must be, and the words an argument takes: checked before any work.
@@ -808,88 +706,94 @@ RANGES = (
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
 )
-CHOICES = {"dtype": ("float32", "float16", "bfloat16"), "report_to": ("tensorboard", "none", "all")}
+CHOICES = {
+    "dtype": ("float32", "float16", "bfloat16"),
+    "report_to": ("tensorboard", "none", "all"),
+    "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
+}
 
 
-def check_ranges(*groups):
-    for group in groups:
-        for test, what, names in RANGES:
-            for name in names.split():
-                value = getattr(group, name, None)
-                if value is not None and not test(value):
-                    fail(f"--{name} must be {what}, got {value}")
-        for name, words in CHOICES.items():
-            if hasattr(group, name) and getattr(group, name) not in words:
-                fail(f"--{name} must be one of {', '.join(words)}, got {getattr(group, name)!r}")
+def setup_logging(log_level):
+    level = logging.INFO if log_level == "passive" else getattr(logging, log_level.upper())
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True
+    )
+    datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
+    logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
 
 
-def validate_model_args(model_args):
-    for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
-        check_hub_name(f"--{flag}", getattr(model_args, flag))
-    for flag in ("config_name", "model_name_or_path"):
-        path = getattr(model_args, flag)
-        if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-            fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
+def validate_args(model_args, data_args, training_args):
+    """Everything that can be checked before any work: files, combinations of arguments, names on the hub."""
+    files = {"--train_file": data_args.train_file, "--validation_file": data_args.validation_file}
+    for flag, path in files.items():
+        if path is not None:
+            check_data_file(flag, path)
+    args, model_type, extensions = (
+        training_args,
+        model_args.model_type,
+        sorted({os.path.splitext(p)[1] for p in files.values() if p}),
+    )
+    for refused, message in (
+        (
+            data_args.dataset_name is None and not any(files.values()),
+            "need --dataset_name or --train_file/--validation_file",
+        ),
+        (
+            len(extensions) > 1,
+            f"--train_file and --validation_file need the same extension (one loader), got {extensions}",
+        ),
+        (
+            data_args.dump_noised_examples and not args.do_train,
+            "--dump_noised_examples shows training rows: add --do_train",
+        ),
+        (not args.do_train and not args.do_eval, "nothing to do: pass --do_train and/or --do_eval"),
+        (
+            args.max_steps <= 0 and args.num_train_epochs <= 0,
+            "--num_train_epochs must be positive, or give --max_steps",
+        ),
+        (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
+        (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
+        (
+            model_type not in (None, *MODEL_TYPES),
+            f"--model_type {model_type!r}: choose one of {', '.join(MODEL_TYPES)}",
+        ),
+    ):
+        if refused:
+            fail(message)
+    validate_objective(data_args)
+    for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
+        path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
+        check_hub_name(f"--{flag}", path)
+        if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
 
 
-def validate_training_args(training_args):
-    if not training_args.do_train and not training_args.do_eval:
-        fail("nothing to do: pass --do_train and/or --do_eval")
-    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
-        fail(f"--num_train_epochs must be positive (or give --max_steps), got {training_args.num_train_epochs}")
-    output_dir = training_args.output_dir
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        fail(f"--output_dir {output_dir} exists and is not a directory")
-    check_writable("--output_dir", output_dir)
-    if training_args.push_to_hub and not hub_reachable():
-        fail(
-            f"--push_to_hub: the Hugging Face Hub is unreachable (offline?); drop --push_to_hub and upload {output_dir} later"
-        )
-
-
-def lock_output_dir(output_dir):
-    """Hold output_dir/.lock while this process runs, so that a second run into the same folder is refused instead
-    of mixing its files with this one's. An flock: the OS releases it however the process ends (kill -9 too),
-    so a stale lock never blocks a later run. Returns the open file, to keep for the process's lifetime."""
-    if not os.path.isdir(output_dir):  # made here: gone again if the run stops before writing anything into it
-        atexit.register(
-            lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
-        )
-    os.makedirs(output_dir, exist_ok=True)
-    lock = open(os.path.join(output_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.seek(0)
-        fail(
-            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
-        )
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
-    lock.flush()
-    return lock
-
-
-def init_distributed():
-    """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES and JAX_PROCESS_ID when set, else wherever JAX finds the cluster itself (TPU pod
-    slices, SLURM, Open MPI). On one host JAX devices are first touched after preprocessing, so datasets'
-    worker processes fork before JAX starts threads. Once JAX runs (main() called again in one process, as
-    upstream's example tests do) there is nothing left to join."""
-    if xla_bridge.backends_are_initialized():
-        return
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        try:
-            jax.distributed.initialize(
-                num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"])
-            )
-        except (KeyError, ValueError) as e:
-            fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
-        return
-    try:
-        jax.distributed.initialize()
-    except ValueError:  # no cluster found: a single process
-        pass
+def check_data_file(flag, path):
+    """A file (not a folder) of a supported extension, not empty, and UTF-8 text (for other bytes the datasets
+    loader says only that generating the dataset failed)."""
+    extension = path.split(".")[-1]
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
+    if extension not in ("csv", "json", "txt"):
+        fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
+    if not os.path.isfile(path):
+        fail(f"{flag} {path} does not exist")
+    decoder, line, empty = codecs.getincrementaldecoder("utf-8")(), 1, True
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            empty = empty and not chunk.strip()
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                where = line + chunk.count(b"\n", 0, e.start)
+                fail(
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    "e.g. with iconv -f latin1 -t utf-8"
+                )
+            line += chunk.count(b"\n")
+    if empty:
+        fail(f"{flag} {path} is empty")
 
 
 def start_process(model_args, training_args):
@@ -907,42 +811,81 @@ def start_process(model_args, training_args):
     return lock
 
 
+def lock_output_dir(output_dir):
+    """Hold an flock on output_dir/.lock while this process runs, so that a second run into the folder is refused
+    instead of mixing its files with this one's; the OS releases it however the process ends, kill -9 too."""
+    if not os.path.isdir(output_dir):  # made here: removed again if the run stops before writing into it
+        atexit.register(
+            lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
+        )
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        lock = open(os.path.join(output_dir, ".lock"), "a+")
+    except OSError as e:
+        fail(f"--output_dir {output_dir} cannot be written ({e.strerror}); choose another folder")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        fail(
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+        )
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
+    lock.flush()
+    return lock
+
+
+def init_distributed():
+    """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID, else wherever JAX finds a cluster (TPU pod slices, SLURM, Open MPI).
+    Nothing to join once JAX runs (main() called again in one process, as upstream's example tests do)."""
+    if xla_bridge.backends_are_initialized():
+        return
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        try:
+            jax.distributed.initialize(
+                num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"])
+            )
+        except (KeyError, ValueError) as e:
+            fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
+        return
+    with contextlib.suppress(ValueError):  # no cluster found: a single process
+        jax.distributed.initialize()
+
+
 # --- data --------------------------------------------------------------------------------------------------------
 
 
 def load_raw_datasets(model_args, data_args):
-    split_pct = data_args.validation_split_percentage
-    common = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    """The train and validation splits, from the hub or local files; without a validation split,
+    --validation_split_percentage of train."""
+    kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     if data_args.dataset_name is not None:
         load = functools.partial(
             load_dataset,
-            data_args.dataset_name,
+            source,
             data_args.dataset_config_name,
             trust_remote_code=model_args.trust_remote_code,
-            **common,
+            **kwargs,
         )
     else:
-        data_files = {}
-        if data_args.train_file is not None:
-            data_files["train"] = data_args.train_file
-        if data_args.validation_file is not None:
-            data_files["validation"] = data_args.validation_file
-        extension = (data_args.train_file or data_args.validation_file).split(".")[-1]
-        extension = "text" if extension == "txt" else extension
+        files = {"train": data_args.train_file, "validation": data_args.validation_file}
+        extension = {"txt": "text"}.get(source.split(".")[-1], source.split(".")[-1])
         if extension == "text" and hasattr(data_args, "keep_linebreaks"):
-            common["keep_linebreaks"] = data_args.keep_linebreaks
-        load = functools.partial(load_dataset, extension, data_files=data_files, **common)
-    source = data_args.dataset_name or data_args.train_file or data_args.validation_file
+            kwargs["keep_linebreaks"] = data_args.keep_linebreaks
+        load = functools.partial(load_dataset, extension, data_files={k: v for k, v in files.items() if v}, **kwargs)
+    pct = data_args.validation_split_percentage
     try:
         raw = load()
         if "validation" not in raw.keys() and "train" in raw.keys():
-            if round(len(raw["train"]) * split_pct / 100) == 0:
+            if round(len(raw["train"]) * pct / 100) == 0:
                 fail(
-                    f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                    f"{source} is too short to split {pct} % off for validation (it has {len(raw['train'])} examples); "
                     "give --validation_file, or more text"
                 )
-            raw["validation"] = load(split=f"train[:{split_pct}%]")
-            raw["train"] = load(split=f"train[{split_pct}%:]")
+            raw["validation"], raw["train"] = load(split=f"train[:{pct}%]"), load(split=f"train[{pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
         fail(f"cannot load dataset {source!r}: {type(e).__name__}: {first_line(e)}")
     return raw
@@ -974,7 +917,7 @@ def group_texts(examples, block_size):
 
 
 def objective_settings(data_args):
-    """The objective's own arguments (those DataTrainingArguments adds to DataArguments), as checkpoints record them."""
+    """The objective's own arguments (what DataTrainingArguments adds to DataArguments), as checkpoints record them."""
     shared = {f.name for f in fields(DataArguments)}
     return {f.name: getattr(data_args, f.name) for f in fields(data_args) if f.name not in shared}
 
@@ -988,15 +931,11 @@ def select_samples(dataset, data_args):
 
 
 def pad_rows(batch, num_rows, fill):
-    """The batch extended to `num_rows` rows with rows of `fill` values (0 where none is given), so that every
-    device gets a full batch; an extra row carries no label and no attention."""
+    """The batch extended to `num_rows` rows of `fill` values (0 where none is given), so that every device gets a
+    full batch; an extra row carries no label and no attention."""
     extra = num_rows - len(next(iter(batch.values())))
-    if not extra:
-        return batch
-    return {
-        k: np.concatenate([v, np.full((extra,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)])
-        for k, v in batch.items()
-    }
+    pad = lambda k, v: np.full((extra,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)  # noqa: E731
+    return {k: np.concatenate([v, pad(k, v)]) for k, v in batch.items()} if extra else batch
 
 
 def generate_batch_splits(samples_idx, batch_size, drop_last=True):
@@ -1013,81 +952,76 @@ def epoch_batches(num_examples, batch_size, seed, epoch):
 
 
 def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
-    """Write the first `count` rows of the first epoch, batched and noised as training would, to
-    output_dir/noised_examples.jsonl: the row before noise, the model input (trailing padding left out) and the
-    labels (-100 kept), with the first two decoded, to see what the model is asked to do."""
-    if plan.process_index != 0:
-        return
-    path, written, seed = os.path.join(training_args.output_dir, "noised_examples.jsonl"), 0, training_args.seed
-    with open(path, "w") as f:
-        for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
-            rows = np.sort(batch_rows)
-            examples = dataset[rows]
-            batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
-            for k, row in enumerate(rows[: count - written]):
-                kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)  # trailing padding left out
-                inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
-                original = list(examples["input_ids"][k])
-                labels = batch["labels"][k].tolist() if "labels" in batch else None
-                record = dict(batch=index, row=int(row), original_ids=original, input_ids=inputs, labels=labels)
-                record.update(original_text=tokenizer.decode(original), input_text=tokenizer.decode(inputs))
-                f.write(json.dumps(record) + "\n")
-                written += 1
-            if written == count:
-                break
-    logger.info(f"wrote {written} noised training rows to {path}")
+    """The first `count` training rows, noised as the step sees them, to output_dir/noised_examples.jsonl: the row
+    before noise, the model input (trailing padding left out) and the labels (-100 kept), the first two decoded."""
+    path, seed, records = os.path.join(training_args.output_dir, "noised_examples.jsonl"), training_args.seed, []
+    for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
+        rows = np.sort(batch_rows)
+        examples = dataset[rows]
+        batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
+        for k, row in enumerate(rows[: count - len(records)]):
+            kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)
+            inputs, original = (
+                batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist(),
+                examples["input_ids"][k],
+            )
+            labels = batch["labels"][k].tolist() if "labels" in batch else None
+            record = dict(batch=index, row=int(row), original_ids=list(original), input_ids=inputs, labels=labels)
+            records.append(
+                {**record, "original_text": tokenizer.decode(original), "input_text": tokenizer.decode(inputs)}
+            )
+        if len(records) == count:
+            break
+    if plan.process_index == 0:
+        Path(path).write_text("".join(json.dumps(record) + "\n" for record in records))
+        logger.info(f"wrote {len(records)} noised training rows to {path}")
 
 
 # --- model and plan ----------------------------------------------------------------------------------------------
 
 
 def load_config_and_tokenizer(model_args):
-    hub_kwargs = dict(
-        cache_dir=model_args.cache_dir, token=model_args.token, trust_remote_code=model_args.trust_remote_code
+    """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, checked
+    against each other and fitted to the objective (fit_objective)."""
+    args = model_args
+    kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
+    config_source, tokenizer_source = (
+        args.config_name or args.model_name_or_path,
+        args.tokenizer_name or args.model_name_or_path,
     )
-    try:
-        if model_args.config_name:
-            config = AutoConfig.from_pretrained(model_args.config_name, **hub_kwargs)
-        elif model_args.model_name_or_path:
-            config = AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs)
-        elif model_args.model_type:
-            config = CONFIG_MAPPING[model_args.model_type]()
-            logger.warning("You are instantiating a new config instance from scratch.")
-        else:
-            fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
-        tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
-        if tokenizer_source is None:
-            fail(
-                "you are instantiating a new tokenizer from scratch, which this script does not do; "
-                "train one with tokenizers/train_tokenizer.py and pass it with --tokenizer_name"
-            )
-        tokenizer = AutoTokenizer.from_pretrained(
-            tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs
+    if config_source is None and args.model_type is None:
+        fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
+    if tokenizer_source is None:
+        fail(
+            "this script trains no tokenizer: train one with tokenizers/train_tokenizer.py, pass it as --tokenizer_name"
         )
+    try:
+        config = (
+            AutoConfig.from_pretrained(config_source, **kwargs) if config_source else CONFIG_MAPPING[args.model_type]()
+        )
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=args.use_fast_tokenizer, **kwargs)
     except (OSError, ValueError) as e:
         fail(f"cannot load the config or tokenizer: {first_line(e)}")
-    if config.model_type not in MODEL_TYPES:
-        fail(
-            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
-        )
-    if config.vocab_size < len(tokenizer):
-        fail(
-            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
-            "rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
-        )
-    check_attention_heads(config)
+    heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
+    uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
+    for refused, message in (
+        (
+            config.model_type not in MODEL_TYPES,
+            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}",
+        ),
+        (
+            config.vocab_size < len(tokenizer),
+            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; rebuild the config with tokenizers/create_config.py --tokenizer_name ...",
+        ),
+        (
+            uneven,
+            f"the config's hidden size {getattr(config, 'hidden_size', 0)} is not divisible by its {(uneven or [0])[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)",
+        ),
+    ):
+        if refused:
+            fail(message)
     fit_objective(config, tokenizer, tokenizer_source)
     return config, tokenizer
-
-
-def check_attention_heads(config):
-    """Each attention head takes an equal slice of the hidden size (T5 sizes its heads by d_kv instead)."""
-    for heads in ("num_attention_heads", "decoder_attention_heads"):
-        if config.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
-            fail(
-                f"the config's hidden size {config.hidden_size} is not divisible by its {getattr(config, heads)} attention heads "
-                f"({heads}); fix the config (tokenizers/create_config.py --config_overrides)"
-            )
 
 
 def init_model(model_class, config, path, model_args, training_args, abstract):
@@ -1121,81 +1055,70 @@ class TrainingPlan:
     num_devices: int
     local_devices: int
     process_index: int
-    per_device_train_batch_size: int
-    per_device_eval_batch_size: int
-    gradient_accumulation_steps: int
+    train_batch_size: int  # per device x devices x accumulation steps
+    eval_batch_size: int
     num_train_examples: int = 0
     steps_per_epoch: int = 0
     total_steps: int = 0
-
-    @property
-    def train_batch_size(self):
-        return self.per_device_train_batch_size * self.num_devices * self.gradient_accumulation_steps
-
-    @property
-    def eval_batch_size(self):
-        return self.per_device_eval_batch_size * self.num_devices
-
-    @property
-    def num_epochs(self):
-        return math.ceil(self.total_steps / self.steps_per_epoch) if self.steps_per_epoch else 0
+    num_epochs: int = 0
 
 
 def plan_training(training_args, dataset, max_seq_length):
+    args, devices, accumulation = training_args, jax.device_count(), training_args.gradient_accumulation_steps
+    batch = f"{args.per_device_train_batch_size} per device x {devices} devices x {accumulation} accumulation steps"
     plan = TrainingPlan(
-        jax.device_count(),
+        devices,
         jax.local_device_count(),
         jax.process_index(),
-        training_args.per_device_train_batch_size,
-        training_args.per_device_eval_batch_size,
-        training_args.gradient_accumulation_steps,
+        args.per_device_train_batch_size * devices * accumulation,
+        args.per_device_eval_batch_size * devices,
     )
-    if training_args.do_train:
-        plan.num_train_examples = len(dataset["train"])
-        plan.steps_per_epoch = plan.num_train_examples // plan.train_batch_size
-        if plan.steps_per_epoch == 0:
-            fail(
-                f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one "
-                f"global batch of {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
-                f"devices x {plan.gradient_accumulation_steps} accumulation steps); use more text or a smaller "
-                f"--per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
-            )
-        if training_args.max_steps > 0:
-            plan.total_steps = training_args.max_steps
-        else:
-            plan.total_steps = int(plan.steps_per_epoch * training_args.num_train_epochs)
-        if plan.total_steps <= 0:
-            fail(
-                f"no training step to run: --num_train_epochs {training_args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
-            )
-        if training_args.warmup_steps > plan.total_steps:
-            peak = training_args.learning_rate * plan.total_steps / training_args.warmup_steps
-            logger.warning(
-                f"--warmup_steps {training_args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
-                f"rate only reaches {peak:.3g}, not --learning_rate {training_args.learning_rate:g}"
-            )
-    if training_args.do_eval and len(dataset["validation"]) == 0:
+    if args.do_eval and len(dataset["validation"]) == 0:
         fail("the validation set is empty after tokenization; give a longer --validation_file")
+    if not args.do_train:
+        return plan
+    plan.num_train_examples = len(dataset["train"])
+    plan.steps_per_epoch = plan.num_train_examples // plan.train_batch_size
+    if plan.steps_per_epoch == 0:
+        fail(
+            f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one global "
+            f"batch of {plan.train_batch_size} ({batch}); use more text or a smaller "
+            f"--per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
+        )
+    plan.total_steps = args.max_steps if args.max_steps > 0 else int(plan.steps_per_epoch * args.num_train_epochs)
+    plan.num_epochs = math.ceil(plan.total_steps / plan.steps_per_epoch)
+    if plan.total_steps <= 0:
+        fail(
+            f"no training step to run: --num_train_epochs {args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
+        )
+    if args.warmup_steps > plan.total_steps:
+        logger.warning(
+            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
+            f"rate only reaches {args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, not --learning_rate "
+            f"{args.learning_rate:g}"
+        )
+    logger.info(
+        f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
+        f"  Global batch size = {plan.train_batch_size} ({batch})\n  Total optimization steps = {plan.total_steps}"
+    )
     return plan
 
 
 def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
     """Linear warm-up from 0 to learning_rate, then linear decay to 0 at num_train_steps."""
-    warmup_fn = optax.linear_schedule(
-        init_value=0.0, end_value=learning_rate, transition_steps=max(num_warmup_steps, 1)
-    )
-    decay_fn = optax.linear_schedule(
-        init_value=learning_rate, end_value=0, transition_steps=max(num_train_steps - num_warmup_steps, 1)
-    )
+    warmup_fn = optax.linear_schedule(0.0, learning_rate, transition_steps=max(num_warmup_steps, 1))
+    decay_fn = optax.linear_schedule(learning_rate, 0, transition_steps=max(num_train_steps - num_warmup_steps, 1))
     return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
 
 
 def decay_mask_fn(params):
     """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
     flat_params = traverse_util.flatten_dict(params)
-    layer_norm_candidates = ["layernorm", "layer_norm", "ln"]
     layer_norm_named_params = {
-        layer[-2:] for name in layer_norm_candidates for layer in flat_params.keys() if name in "".join(layer).lower()
+        path[-2:]
+        for name in ("layernorm", "layer_norm", "ln")
+        for path in flat_params
+        if name in "".join(path).lower()
     }
     flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
     return traverse_util.unflatten_dict(flat_mask)
@@ -1248,44 +1171,29 @@ def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, 
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
-# XLA:CPU computes a bf16 x bf16 -> bf16 product by converting it to f32 (slower than f32 itself), but a
-# bf16 x bf16 product with an f32 result runs on a bf16 kernel, several times as fast as f32, on CPUs with bf16
-# instructions (AMX-BF16, AVX-512 BF16; see benchmarks/README.md). Upstream's --dtype bfloat16 (the model's dtype)
-# gets the slow kind. Here --dtype bfloat16 keeps the model in f32 (parameters, optimizer state,
-# activations, softmax, layer norms, loss) and computes every dense layer, forward and backward, from
-# bf16-rounded operands into f32 accumulators. A CPU without bf16 instructions (AVX2 only) computes even
-# those in f32, so there bf16 only adds conversions: the script warns, and float32 is the faster choice.
+# XLA:CPU runs a bf16 x bf16 product with an f32 result on a bf16 kernel where the CPU has bf16 instructions
+# (AMX-BF16, AVX-512 BF16), but converts a bf16 x bf16 -> bf16 product (upstream's bf16 model dtype) to f32.
+# So --dtype bfloat16 keeps the model, its optimizer state, softmax, layer norms and loss in f32 and computes every
+# dense layer, forward and backward, from bf16-rounded operands into f32. Without bf16 instructions (AVX2 only)
+# those are computed in f32 too: bf16 only adds conversions there, and the script says so.
 
 
 def cpu_bf16(cpuinfo="/proc/cpuinfo"):
-    """(CPU model, its bf16 support) from the flags in cpuinfo (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
-    hardware); "none, AVX2 only" or the like (bf16 is computed in f32 or emulated: no faster than float32, or slower);
-    "unknown" (no cpuinfo: another OS). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
-    try:
-        with open(cpuinfo) as f:
-            first_cpu = f.read().split("\n\n")[0]
-    except OSError:
-        first_cpu = ""
+    """(CPU model, its bf16 support) from cpuinfo's flags (Linux): "AMX-BF16" or "AVX-512 BF16" (bf16 products in
+    hardware), "none, AVX2 only" or the like (bf16 computed in f32 or emulated: no faster than float32, or slower),
+    "unknown" (no cpuinfo). LM_CPU_BF16=1 or 0 overrides the flags, for tests and for CPUs not listed here."""
+    first_cpu = ""
+    with contextlib.suppress(OSError), open(cpuinfo) as f:
+        first_cpu = f.read().split("\n\n")[0]
     fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu.splitlines())}
     flags = set(fields.get("flags", "").split())
-    widest = "AVX-512F" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    support = (
-        "AMX-BF16"
-        if "amx_bf16" in flags
-        else "AVX-512 BF16"
-        if "avx512_bf16" in flags
-        else "unknown"
-        if not flags
-        else f"none, {widest} only"
-        if widest
-        else "none"
-    )
+    widest = next((f", {name} only" for name in ("AVX-512F", "AVX2") if name.lower().replace("-", "") in flags), "")
+    support = "AMX-BF16" if "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else f"none{widest}"
     override = os.environ.get("LM_CPU_BF16", "")
     if override not in ("", "0", "1"):
         fail(f"LM_CPU_BF16 must be 1 (this CPU has bf16 instructions) or 0 (it has none), got {override!r}")
-    if override:
-        support = "native, LM_CPU_BF16=1" if override == "1" else "none, LM_CPU_BF16=0"
-    return fields.get("model name", "unknown CPU"), support
+    overrides = {"": support if flags else "unknown", "1": "native, LM_CPU_BF16=1", "0": "none, LM_CPU_BF16=0"}
+    return fields.get("model name", "unknown CPU"), overrides[override]
 
 
 def warn_if_bf16_is_slow(flag, value):
@@ -1333,10 +1241,9 @@ def _bf16_matmul_bwd(residuals, grad):
 
 
 def transposes_pay(tokens, kernel_shape):
-    """Whether the kernel-gradient product of `tokens` rows is faster from written-out transposes: measured on
-    CPU for up to 1,024 tokens and layer widths of 512-4,096 (2-2.7x at 768, benchmarks/README.md). Beyond
-    that, XLA:CPU's transposes can cost more than they save; a CPU without bf16 instructions computes the product
-    in f32 either way; other backends take transposed operands as they are."""
+    """Whether the kernel-gradient product of `tokens` rows is faster from written-out transposes: on CPU, for up to
+    1,024 tokens and layer widths of 512-4,096, as measured (benchmarks/README.md); a CPU without bf16 instructions
+    computes the product in f32 either way; other backends take transposed operands as they are."""
     return (
         jax.default_backend() == "cpu"
         and tokens <= 1024
@@ -1372,47 +1279,41 @@ def bf16_dense(next_fun, args, kwargs, context):
 
 
 # --- memory ----------------------------------------------------------------------------------------------------
-# Autodiff keeps the outputs of the activations' transcendental functions for the backward pass (GELU's
-# erfc, softmax's exp): at roberta-base, 0.4 GB of the step's peak memory. Recomputing them there costs a
-# few elementwise passes: measured no slower, and 0.35 GB (9 %) less peak memory (benchmarks/README.md).
+
+
 def save_all_but_transcendentals(primitive, *_, **__):
-    """A jax.checkpoint policy: keep every intermediate value except those of erf, erfc, exp, tanh, logistic."""
+    """A jax.checkpoint policy: keep every intermediate value but those of erf, erfc, exp, tanh, logistic (GELU's,
+    softmax's), which the backward pass recomputes in a few elementwise passes instead of holding them."""
     return primitive.name not in ("erf", "erfc", "exp", "tanh", "logistic")
 
 
-# XLA's compiler frees its working memory when it is done, but glibc's allocator keeps those pages, and the
-# train step's buffers then come on top: ~130 MB of the roberta-base step's peak RSS and ~210 MB (16 %) of
-# the main job's (measured, benchmarks/README.md). Handing them back to the OS after every compilation
-# costs 15-30 ms per large compile.
 @functools.cache  # one listener per process, however often main() runs
 def release_compiler_memory():
-    """Call glibc's malloc_trim after every XLA compilation (a no-op where the C library is not glibc)."""
+    """Call glibc's malloc_trim after every XLA compilation, so that the compiler's freed working memory goes back
+    to the OS instead of staying under the train step's buffers (a no-op where the C library is not glibc)."""
     try:
         malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return
-
-    def after_compile(event, _duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            malloc_trim(0)
-
-    jax.monitoring.register_event_duration_secs_listener(after_compile)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: event == "/jax/core/compile/backend_compile_duration" and malloc_trim(0)
+    )
 
 
 # --- the loop's bookkeeping and logs -----------------------------------------------------------------------------
 
 
 def replicate(tree, local_devices):
-    """One copy per local device, placed by a pmap so that it carries the train step's own sharding
-    (placed otherwise, the step compiles a second time)."""
+    """One copy per local device, placed by a pmap so that it carries the train step's own sharding (placed
+    otherwise, the step compiles a second time)."""
     return jax.pmap(lambda x: x, "batch")(
         jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (local_devices, *np.shape(x))), tree)
     )
 
 
 def unreplicate(tree):
-    """The first local replica of a pmapped value, on the host. Unlike flax's `jax_utils.unreplicate`
-    (`x[0]`), it also works on multi-host runs, where the other replicas are not addressable here."""
+    """The first local replica of a pmapped value, on the host; unlike flax's `jax_utils.unreplicate` (`x[0]`), also
+    on multi-host runs, where the other replicas are not addressable here."""
     return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
 
@@ -1438,59 +1339,106 @@ class TrainingProgress:
 
 @dataclass
 class Loop:
-    """The training loop's own bookkeeping, not saved in checkpoints: metrics not yet fetched, the log window, the
-    run's losses and tokens, the first step's FLOPs and the last evaluation."""
+    """The loop's bookkeeping, not saved: metrics not yet fetched, the run's losses and tokens, the step's FLOPs and
+    batch shapes, the last evaluation, and the log window: its start, steps and tokens (evaluation and saving are
+    left out of its time)."""
 
     first_step: int
     started: float = field(default_factory=time.perf_counter)
     pending: list = field(default_factory=list)
-    window: Any = field(default_factory=lambda: Window())
     losses: list = field(default_factory=list)
     tokens: int = 0
     flops: float | None = None
-    compiled: bool = False
     shapes: list = field(default_factory=list)  # the batch shapes the step was compiled for
     last_eval: tuple | None = None
+    window: list = field(default_factory=lambda: [time.perf_counter(), 0, 0])
 
-
-def log_training_start(plan, progress):
-    logger.info(
-        f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
-        f"  Global batch size = {plan.train_batch_size} ({plan.per_device_train_batch_size} per device x {plan.num_devices} "
-        f"devices x {plan.gradient_accumulation_steps} accumulation steps)\n  Total optimization steps = {plan.total_steps}"
-        + (
-            f"\n  Resuming at step {progress.global_step} from {progress.last_checkpoint}"
-            if progress.global_step
-            else ""
-        )
-    )
+    @contextlib.contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        yield
+        self.window[0] += time.perf_counter() - start
 
 
 def timed_step(train_step, state, batch, loop):
-    """One train step. The first also counts the step's FLOPs and logs its time, compilation included; the log
-    window's timing starts after it. A batch of new shapes later on compiles the step again: that is logged."""
-    shapes = {name: value.shape for name, value in batch.items()}
-    if shapes not in loop.shapes:
-        loop.shapes.append(shapes)
-        if loop.compiled:
-            changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
-            logger.info(f"the train step compiles again, for new batch shapes: {changed}")
-    if loop.compiled:
+    """One train step, its tokens counted. The first also counts the step's FLOPs and logs its time, compilation
+    included (the log window starts after it); a batch of new shapes compiles the step again, which is logged."""
+    shapes, tokens = {name: value.shape for name, value in batch.items()}, batch["input_ids"].size
+    loop.tokens, loop.window[1], loop.window[2] = loop.tokens + tokens, loop.window[1] + 1, loop.window[2] + tokens
+    if loop.shapes and shapes not in loop.shapes:
+        changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
+        logger.info(f"the train step compiles again, for new batch shapes: {changed}")
+    if loop.shapes:
+        loop.shapes += [shapes] if shapes not in loop.shapes else []
         return train_step(state, batch)
-    loop.flops = step_flops(train_step, state, batch)
-    compile_start = time.perf_counter()
+    loop.shapes.append(shapes)
+    try:  # FLOPs of one step on one device, as XLA counts them; some backends count none
+        loop.flops = float(train_step.lower(state, batch).cost_analysis()["flops"])
+    except Exception:  # noqa: BLE001
+        loop.flops = None
+    started = time.perf_counter()
     state, metrics = train_step(state, batch)
     jax.block_until_ready(metrics)
-    logger.info(f"First step (compilation included): {time.perf_counter() - compile_start:.1f} s")
-    loop.window.reset()
-    loop.compiled = True
+    logger.info(f"First step (compilation included): {time.perf_counter() - started:.1f} s")
+    loop.window = [time.perf_counter(), 0, 0]
     return state, metrics
+
+
+def fetch_metrics(loop, progress):
+    """Bring the pending steps' metrics to the host, in order, into the log window and the run's losses; stop at
+    the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's."""
+    metrics = None
+    for step, device_metrics in loop.pending:
+        metrics = {k: float(v) for k, v in unreplicate(device_metrics).items()}
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            stop_diverged(
+                step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
+            )
+        progress.log_window.append({k: v for k, v in metrics.items() if k not in ("learning_rate", "grad_norm")})
+        loop.losses.append(metrics["loss"])
+    loop.pending.clear()
+    return metrics
+
+
+def stop_diverged(step, what, progress):
+    last = progress.last_checkpoint and f"the last good checkpoint is {progress.last_checkpoint}"
+    fail(
+        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last or 'no checkpoint was written'}. "
+        "Lower --learning_rate or raise --warmup_steps, then resume with --resume_from_checkpoint"
+    )
+
+
+def log_training(progress, metrics, plan, loop, peak_tflops, writer):
+    """One line and TensorBoard scalars: the objective's means since the last line, the last step's learning rate
+    and gradient norm, and the throughput of the steps timed since then (none if the only one compiled)."""
+    means = {name: float(np.mean([m[name] for m in progress.log_window])) for name in progress.log_window[0]}
+    progress.log_window = []
+    epoch = progress.global_step / plan.steps_per_epoch
+    scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
+    line = f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
+    line += "".join(f"{name} {value:.4f} | " for name, value in means.items() if name != "loss")
+    line += f"lr {metrics['learning_rate']:.3e} | grad norm {metrics['grad_norm']:.3f}"
+    start, steps, tokens = loop.window
+    if steps:
+        seconds = time.perf_counter() - start
+        scalars.update(tokens_per_second=tokens / seconds, seconds_per_step=seconds / steps)
+        line += f" | {scalars['tokens_per_second']:,.0f} tokens/s | {seconds / steps:.3f} s/step"
+    if steps and loop.flops:
+        scalars["tflops"] = loop.flops * plan.num_devices * steps / seconds / 1e12
+        line += f" | {scalars['tflops']:.3f} TFLOP/s"
+        if peak_tflops:
+            scalars["mfu"] = scalars["tflops"] / (peak_tflops * plan.num_devices)
+            line += f" | MFU {100 * scalars['mfu']:.1f} %"
+    tqdm.write(line)
+    for name, value in scalars.items() if writer is not None else ():
+        writer.add_scalar(f"train/{name}", value, progress.global_step)
+    loop.window = [time.perf_counter(), 0, 0]
+    return means
 
 
 def train_summary(plan, progress, loop):
     """The Trainer's train metrics of this process's steps."""
     runtime, steps = time.perf_counter() - loop.started, progress.global_step - loop.first_step
-    flops = loop.flops
     metrics = {
         "train_loss": float(np.mean(loop.losses)) if loop.losses else float("nan"),
         "train_runtime": runtime,
@@ -1502,110 +1450,10 @@ def train_summary(plan, progress, loop):
         "train_samples": plan.num_train_examples,
         "global_batch_size": plan.train_batch_size,
         "num_devices": plan.num_devices,
-        "total_flos": flops * plan.num_devices * steps if flops else None,
+        "total_flos": loop.flops * plan.num_devices * steps if loop.flops else None,
     }
     logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
     return metrics
-
-
-def stop_diverged(step, what, progress):
-    last = (
-        f"the last good checkpoint is {progress.last_checkpoint}"
-        if progress.last_checkpoint
-        else "no checkpoint was written"
-    )
-    fail(
-        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last}. Lower --learning_rate or "
-        "raise --warmup_steps, then resume with --resume_from_checkpoint"
-    )
-
-
-def fetch_metrics(pending, progress):
-    """Bring the steps' metrics to the host, in order; stop at the first non-finite loss or gradient, before
-    it can reach a checkpoint."""
-    fetched = []
-    for step, metrics in pending:
-        metrics = {k: float(v) for k, v in unreplicate(metrics).items()}
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            stop_diverged(
-                step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
-            )
-        fetched.append(metrics)
-    pending.clear()
-    progress.log_window.extend(
-        {k: v for k, v in m.items() if k not in ("learning_rate", "grad_norm")} for m in fetched
-    )
-    return fetched
-
-
-class Window:
-    """Wall time, steps and tokens since the last log line, with evaluation and checkpointing left out."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.start, self.excluded, self.steps, self.tokens = time.perf_counter(), 0.0, 0, 0
-
-    @contextlib.contextmanager
-    def paused(self):
-        start = time.perf_counter()
-        yield
-        self.excluded += time.perf_counter() - start
-
-    @property
-    def seconds(self):
-        return time.perf_counter() - self.start - self.excluded
-
-
-def log_training(progress, metrics, plan, window, flops_per_step, peak_tflops, writer):
-    """One line and TensorBoard scalars: the objective's mean metrics since the last line, and the throughput of
-    the steps timed since then (none when the only one was the first, which compiles). Returns those means."""
-    means = {name: float(np.mean([m[name] for m in progress.log_window])) for name in progress.log_window[0]}
-    progress.log_window = []
-    epoch = progress.global_step / plan.steps_per_epoch
-    scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
-    line = (
-        f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
-        + "".join(f"{name} {value:.4f} | " for name, value in means.items() if name != "loss")
-    )
-    line += f"lr {metrics['learning_rate']:.3e} | grad norm {metrics['grad_norm']:.3f}"
-    if window.steps:
-        seconds = window.seconds / window.steps
-        scalars.update(tokens_per_second=window.tokens / window.seconds, seconds_per_step=seconds)
-        line += f" | {scalars['tokens_per_second']:,.0f} tokens/s | {seconds:.3f} s/step"
-    if window.steps and flops_per_step:
-        scalars["tflops"] = flops_per_step / seconds / 1e12
-        line += f" | {scalars['tflops']:.3f} TFLOP/s"
-        if peak_tflops:
-            scalars["mfu"] = scalars["tflops"] / (peak_tflops * plan.num_devices)
-            line += f" | MFU {100 * scalars['mfu']:.1f} %"
-    tqdm.write(line)
-    if writer is not None:
-        for name, value in scalars.items():
-            writer.add_scalar(f"train/{name}", value, progress.global_step)
-    window.reset()
-    return means
-
-
-def log_eval(metrics, step, writer):
-    """One line and TensorBoard scalars: the objective's means and the perplexity."""
-    bookkeeping = {
-        f"eval_{name}" for name in (SCORED_TOKENS, "samples", "runtime", "samples_per_second", "steps_per_second")
-    }
-    scalars = {name[len("eval_") :]: value for name, value in metrics.items() if name not in bookkeeping}
-    logger.info(f"Step {step}: " + ", ".join(f"eval {name} {value:.4f}" for name, value in scalars.items()))
-    if writer is not None:
-        for name, value in scalars.items():
-            writer.add_scalar(f"eval/{name}", value, step)
-
-
-def step_flops(train_step, state, batch):
-    """FLOPs of one train step on one device, as XLA counts them (forward, backward and optimizer), or None."""
-    try:
-        return float(train_step.lower(state, batch).cost_analysis()["flops"])
-    except Exception:  # noqa: BLE001 - some backends count nothing; throughput is then logged without FLOPs
-        return None
 
 
 # --- checkpoints and results -------------------------------------------------------------------------------------
@@ -1635,9 +1483,9 @@ def complete_checkpoint(path):
 
 
 def checkpoint_manager(directory, save_total_limit=None, writes=False):
-    """Orbax's CheckpointManager over the checkpoint-N folders of `directory`: a train state and the training
-    progress (JSON) in each. One that writes first removes the incomplete folders a killed run left, and keeps
-    the newest --save_total_limit."""
+    """Orbax's CheckpointManager over the checkpoint-N folders of `directory`: the train state and the training
+    progress (JSON) in each. One that writes removes the incomplete folders a killed run left first, and keeps the
+    newest --save_total_limit."""
     return ocp.CheckpointManager(
         os.path.abspath(directory),  # Orbax takes absolute paths only
         item_handlers={"state": ocp.StandardCheckpointHandler(), "trainer_state": ocp.JsonCheckpointHandler()},
@@ -1653,33 +1501,34 @@ def checkpoint_manager(directory, save_total_limit=None, writes=False):
 
 
 def find_checkpoint(training_args):
-    """The checkpoint to resume from, with the Trainer's conventions, or None; refuses, before any long work,
-    to train into an output_dir that holds another run's files."""
-    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    """The checkpoint to resume from, with the Trainer's conventions, or None; refuses, before any long work, to
+    train into an output_dir that holds another run's files."""
+    output_dir, resume = training_args.output_dir, (training_args.resume_from_checkpoint or "false").lower()
     complete = sorted((m.step, str(m.path)) for m in CheckpointNames().find_all(output_dir))
     for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
         if not ocp.utils.is_checkpoint_finalized(path):
             logger.warning(f"skipping {path}: an incomplete checkpoint (a run was stopped while writing it)")
-    if resume is not None and resume.lower() != "false":
-        if not training_args.do_train:
-            fail("--resume_from_checkpoint needs --do_train")
-        if resume.lower() != "true":
-            if not (re.fullmatch(r"checkpoint-\d+", Path(resume).name) and complete_checkpoint(resume)):
-                fail(f"--resume_from_checkpoint {resume} is not a complete checkpoint-N folder written by this script")
-            return resume
-        if not complete:
-            fail(
-                f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
-            )
+    if resume != "false" and not training_args.do_train:
+        fail("--resume_from_checkpoint needs --do_train")
+    if resume not in ("true", "false"):
+        path = training_args.resume_from_checkpoint
+        if not (re.fullmatch(r"checkpoint-\d+", Path(path).name) and complete_checkpoint(path)):
+            fail(f"--resume_from_checkpoint {path} is not a complete checkpoint-N folder written by this script")
+        return path
+    if resume == "true" and not complete:
+        fail(
+            f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
+        )
+    if resume == "true":
         return complete[-1][1]
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
+    if training_args.do_train and complete:
+        fail(
+            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
+            "or --overwrite_output_dir to start afresh"
+        )
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
-        if complete:
-            fail(
-                f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
-                "or --overwrite_output_dir to start afresh"
-            )
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     if os.path.exists(os.path.join(output_dir, "eval_results.json")):
         fail(
@@ -1698,6 +1547,51 @@ def open_checkpoints(training_args, fresh_start):
     return manager
 
 
+def save_checkpoint(state, progress, run):
+    """checkpoint-{step}: the train state and the data position (the manager drops the oldest beyond
+    --save_total_limit); then the model in from_pretrained form in output_dir, and the hub repository updated.
+    Returns its path."""
+    output_dir, step = run.args.output_dir, progress.global_step
+    host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
+    if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
+        stop_diverged(step, "the parameters are no longer finite", progress)
+    path = os.path.join(output_dir, f"checkpoint-{step}")
+    last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
+    last = last or "no checkpoint is complete"
+    # The checkpoint and the weights in from_pretrained form; checked first: Orbax's writer threads do not stop
+    # cleanly on a full disk.
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((host_state, host_state["params"])))
+    free = shutil.disk_usage(output_dir).free
+    if free < 1.1 * needed + (1 << 20):
+        fail(
+            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
+            "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
+        )
+    plan, progress_state = run.plan, {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
+    trainer_state = dict(progress_state, seed=run.args.seed, train_batch_size=plan.train_batch_size)
+    trainer_state.update(num_devices=plan.num_devices, objective=run.objective)
+    try:
+        run.checkpoints.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
+            ),
+            force=True,
+        )
+        if jax.process_index() == 0:
+            save_pretrained(run.model, host_state["params"], run.tokenizer, output_dir)
+    except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
+        advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
+        fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
+    if jax.process_index() == 0 and run.hub is not None:
+        api, repo_id, token = run.hub
+        message = f"Saving weights and logs of step {step}"
+        api.upload_folder(
+            commit_message=message, folder_path=output_dir, repo_id=repo_id, repo_type="model", token=token
+        )
+    return path
+
+
 def save_pretrained(model, params, tokenizer, output_dir):
     """The model (save_model) and tokenizer in from_pretrained form, written into output_dir entry by entry through a
     temporary folder of this run's own, so that a crash mid-save leaves the previous files readable."""
@@ -1709,64 +1603,6 @@ def save_pretrained(model, params, tokenizer, output_dir):
             shutil.rmtree(os.path.join(output_dir, name))
         os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
     os.rmdir(tmp_dir)
-
-
-def save_checkpoint(state, progress, run):
-    """checkpoint-{step}: the train state and the data position (the manager drops the oldest beyond
-    --save_total_limit); then the model in from_pretrained form in output_dir, and the hub repository updated.
-    Returns its path."""
-    output_dir, plan, seed = run.args.output_dir, run.plan, run.args.seed
-    host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
-    if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
-        stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
-    path = os.path.join(output_dir, f"checkpoint-{progress.global_step}")
-    last = (
-        f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
-        if progress.last_checkpoint
-        else "no checkpoint is complete"
-    )
-    # The checkpoint and the from_pretrained copy of the weights; checked first, because Orbax's writer threads do
-    # not stop cleanly on a full disk.
-    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves(host_state)) + sum(
-        x.nbytes for x in jax.tree_util.tree_leaves(host_state["params"])
-    )
-    free = shutil.disk_usage(output_dir).free
-    if free < 1.1 * needed + (1 << 20):
-        fail(
-            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
-            "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
-        )
-    trainer_state = {
-        **{k: v for k, v in vars(progress).items() if k != "last_checkpoint"},
-        "seed": seed,
-        "train_batch_size": plan.train_batch_size,
-        "num_devices": plan.num_devices,
-        "objective": run.objective,
-    }
-    try:
-        run.checkpoints.save(
-            progress.global_step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
-            ),
-            force=True,
-        )
-        if jax.process_index() == 0:
-            save_pretrained(run.model, host_state["params"], run.tokenizer, output_dir)
-    # A full disk (ENOSPC), a quota, a vanished folder; Orbax wraps some in ValueError.
-    except (OSError, ValueError) as e:
-        advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
-        fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
-    if jax.process_index() == 0 and run.hub is not None:
-        api, repo_id, token = run.hub
-        api.upload_folder(
-            commit_message=f"Saving weights and logs of step {progress.global_step}",
-            folder_path=output_dir,
-            repo_id=repo_id,
-            repo_type="model",
-            token=token,
-        )
-    return path
 
 
 def restore_checkpoint(path, abstract_state, plan, seed, objective):
@@ -1784,9 +1620,8 @@ def restore_checkpoint(path, abstract_state, plan, seed, objective):
             )
     target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
     try:
-        restored = manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
-        )
+        restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
+        restored = manager.restore(step, args=restore)
     except (ValueError, KeyError) as e:
         fail(f"cannot restore {path} (written with another optimizer?): {first_line(e)}")
     manager.close()
@@ -1809,28 +1644,25 @@ def restore_checkpoint(path, abstract_state, plan, seed, objective):
         logger.warning(
             f"{path} was written with other objective settings; going on with this run's: {', '.join(changed)}"
         )
-    progress = TrainingProgress(
-        **{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")}, last_checkpoint=path
-    )
+    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
+    progress.last_checkpoint = path
+    logger.info(f"Resuming at step {progress.global_step} from {path}")
     return abstract_state.replace(**restored["state"]), progress
 
 
-def write_json(path, obj):
-    """Atomically; non-finite numbers become null (JSON has none)."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in obj.items()}
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(clean, f, indent=4, sort_keys=True)
-    os.replace(f"{path}.tmp", path)
-
-
 def write_results(output_dir, split, metrics):
-    """{split}_results.json and the merged all_results.json, as the Trainer's save_metrics writes them."""
-    if jax.process_index() != 0:
-        return
-    write_json(os.path.join(output_dir, f"{split}_results.json"), metrics)
+    """{split}_results.json and the merged all_results.json, as the Trainer's save_metrics writes them; atomically,
+    with non-finite numbers as null (JSON has none)."""
     all_results = os.path.join(output_dir, "all_results.json")
     merged = json.loads(Path(all_results).read_text()) if os.path.exists(all_results) else {}
-    write_json(all_results, {**merged, **metrics})
+    for path, values in (
+        (os.path.join(output_dir, f"{split}_results.json"), metrics),
+        (all_results, {**merged, **metrics}),
+    ):
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        if jax.process_index() == 0:
+            Path(f"{path}.tmp").write_text(json.dumps(clean, indent=4, sort_keys=True))
+            os.replace(f"{path}.tmp", path)
 
 
 def open_summary_writer(training_args):
@@ -1855,14 +1687,10 @@ def open_hub_repo(training_args):
 
     repo_name = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
     try:
-        api = HfApi()
-        return (
-            api,
-            api.create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id,
-            training_args.hub_token,
-        )
+        repo_id = HfApi().create_repo(repo_name, exist_ok=True, token=training_args.hub_token).repo_id
     except Exception as e:  # noqa: BLE001
         fail(f"--push_to_hub: cannot create the hub repository {repo_name!r}: {first_line(e)}")
+    return HfApi(), repo_id, training_args.hub_token
 
 
 if __name__ == "__main__":

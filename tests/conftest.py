@@ -4,10 +4,12 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +71,24 @@ def kill_after_first_checkpoint(args, output_dir, env=None):
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     return proc.communicate()[0]
+
+
+def renamed_copy(script, directory):
+    """A copy of a Flax training script under a name of its own (run_clm_flax.py: my_clm_flax.py), as a researcher
+    makes one to change it."""
+    copy = Path(directory) / os.path.basename(script).replace("run_", "my_")
+    shutil.copy(os.path.join(ROOT, script), copy)
+    return str(copy)
+
+
+def check_names_itself(copy, log, output_dir):
+    """A renamed copy refuses bad input under its own name, and nothing it logged or wrote names the original."""
+    name = os.path.basename(copy)
+    with pytest.raises(SystemExit) as refused:
+        load_script(copy, "copy_" + name[:-3]).main(["--output_dir", str(output_dir), "--no_such_flag"])
+    assert str(refused.value.code).startswith(f"{name}: error: unknown argument --no_such_flag")
+    written = "".join(p.read_text() for p in Path(output_dir).rglob("*") if p.suffix in (".json", ".txt", ".md"))
+    assert name.replace("my_", "run_")[:-3] not in log + written
 
 
 def check_ok(result):

@@ -8,11 +8,13 @@ import pytest
 from conftest import (
     TINY_BART,
     TWO_DEVICES,
+    check_names_itself,
     check_ok,
     error_line,
     eval_reloaded,
     load_script,
     logged_losses,
+    renamed_copy,
     run,
     script_args,
 )
@@ -202,7 +204,7 @@ def test_sentence_splitter_works_offline_in_norwegian():
 def trained(bart_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("bartrun")
     args = script_args(
-        SCRIPT,
+        renamed_copy(SCRIPT, tmp_path_factory.mktemp("copy")),
         "bart",
         bart_dir,
         corpus,
@@ -230,6 +232,7 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
     out, args, result = trained
     log = result.stdout + result.stderr
     assert "2 devices" in log
+    check_names_itself(args[0], log, out)
     losses = logged_losses(log)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
     metrics = json.loads((out / "eval_results.json").read_text())

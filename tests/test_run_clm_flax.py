@@ -5,14 +5,24 @@ import math
 
 import numpy as np
 import pytest
-from conftest import TWO_DEVICES, bad_input, check_ok, load_script, logged_losses, run, script_args
+from conftest import (
+    TWO_DEVICES,
+    bad_input,
+    check_names_itself,
+    check_ok,
+    load_script,
+    logged_losses,
+    renamed_copy,
+    run,
+    script_args,
+)
 
 SCRIPT = "flax/run_clm_flax.py"
 clm = load_script(SCRIPT, "run_clm_flax")
 
 
-def clm_args(model_dir, corpus, output_dir, *extra):
-    return script_args(SCRIPT, "gpt2", model_dir, corpus, output_dir, "--block_size", "64", *extra)
+def clm_args(model_dir, corpus, output_dir, *extra, script=SCRIPT):
+    return script_args(script, "gpt2", model_dir, corpus, output_dir, "--block_size", "64", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +47,7 @@ def trained(gpt2_dir, corpus, tmp_path_factory):
                 "--logging_steps",
                 "10",
                 "--overwrite_output_dir",
+                script=renamed_copy(SCRIPT, tmp_path_factory.mktemp("copy")),
             ),
             env=TWO_DEVICES,
         )
@@ -58,6 +69,7 @@ def test_trains_on_two_devices_loss_falls_and_metrics_written(trained, corpus):
     out, result = trained
     log = result.stdout + result.stderr
     assert "2 devices" in log
+    check_names_itself(result.args[1], log, out)
     losses = logged_losses(log)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 0.5, losses
     metrics = json.loads((out / "eval_results.json").read_text())

@@ -4,7 +4,18 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TWO_DEVICES, check_ok, error_line, eval_reloaded, load_script, logged_losses, run, script_args
+from conftest import (
+    TWO_DEVICES,
+    check_names_itself,
+    check_ok,
+    error_line,
+    eval_reloaded,
+    load_script,
+    logged_losses,
+    renamed_copy,
+    run,
+    script_args,
+)
 from transformers import AutoTokenizer
 
 SCRIPT = "flax/run_t5_mlm_flax.py"
@@ -101,7 +112,7 @@ def test_lengths_match_t5():
 def trained(t5_dir, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("t5run")
     args = script_args(
-        SCRIPT,
+        renamed_copy(SCRIPT, tmp_path_factory.mktemp("copy")),
         "t5",
         t5_dir,
         corpus,
@@ -130,6 +141,7 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
     out, args, result = trained
     log = result.stdout + result.stderr
     assert "2 devices" in log
+    check_names_itself(args[0], log, out)
     losses = logged_losses(log)
     assert len(losses) >= 5 and losses[-1] < losses[0] - 2.0, losses
     metrics = json.loads((out / "eval_results.json").read_text())

@@ -169,8 +169,8 @@ def test_tpu_fallback_to_mirrored_two_cpus_and_loss_falls(mirrored):
     epochs = [float(x) for x in re.findall(r" - masked_loss: ([0-9.]+)", log)]
     assert len(epochs) == 3 and epochs[2] < epochs[0] - 0.2, epochs
     train = json.loads((out / "train_results.json").read_text())
-    assert train["num_replicas"] == 2 and train["global_batch_size"] == 32 and train["strategy"] == "MirroredStrategy"
-    assert train["train_steps"] == 3 * (train["train_samples"] // 32)
+    assert train["num_devices"] == 2 and train["global_batch_size"] == 32 and train["strategy"] == "MirroredStrategy"
+    assert train["global_step"] == 3 * (train["train_samples"] // 32)
 
 
 def test_metrics_written_and_model_reloads(mirrored):
@@ -217,9 +217,9 @@ def test_steps_schedule_and_tensorboard_from_given_weights(mirrored, prepared, t
     train = json.loads((out / "train_results.json").read_text())
     assert train["train_loss"] == json.loads((tmp_path / "again" / "train_results.json").read_text())["train_loss"]
     assert (
-        train["train_steps"] == 16
-        and train["epochs"] == pytest.approx(16 * 128 / train["train_samples"])
-        and train["epochs"] > 1
+        train["global_step"] == 16
+        and train["epoch"] == pytest.approx(16 * 128 / train["train_samples"])
+        and train["epoch"] > 1
     )
     (events,) = (out / "runs").rglob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
