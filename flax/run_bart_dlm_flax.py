@@ -18,6 +18,8 @@ Differs from upstream:
   wheel, `--sentence_language`), not nltk's downloaded punkt. `--dump_noised_examples N` shows the noise.
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order, noise and dropout
   derive from (seed, epoch, example) and (seed, step, device). `--save_total_limit`, `--resume_from_checkpoint`.
+  A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
+  SIGTERM or Ctrl-C saves the current step and exits 143/130.
 - A non-finite loss or gradient stops training before it reaches a checkpoint; bad input is one line, before work.
 - `--gradient_accumulation_steps`; every mean (loss, accuracy) is exact over the global batch and over evaluation.
 - `--dtype bfloat16`: bf16 products with f32 accumulation on an f32 model.
@@ -33,13 +35,16 @@ import datetime
 import difflib
 import fcntl
 import functools
+import hashlib
 import inspect
+import io
 import json
 import logging
 import math
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -67,6 +72,7 @@ from etils import epath
 from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
@@ -109,6 +115,9 @@ class TrainingArguments:
     save_total_limit: int | None = arg(None, "Keep only the newest N checkpoint-* folders.")
     resume_from_checkpoint: str | None = arg(
         None, "Checkpoint to continue; alone: the newest in output_dir.", metadata={"nargs": "?", "const": "True"}
+    )
+    ignore_data_skip: bool = arg(
+        False, "Resume on changed data from the start of the saved epoch, instead of refusing."
     )
     eval_steps: int | None = arg(None, "Run an evaluation every X steps (default: every epoch).")
     seed: int = arg(42, "Random seed that will be set at the beginning of training.")
@@ -463,7 +472,7 @@ def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args.log_level)
     validate_args(model_args, data_args, training_args)
-    checkpoint = find_checkpoint(training_args)
+    checkpoints = find_checkpoint(training_args, model_args)
     lock = start_process(model_args, training_args)
 
     raw_datasets = load_raw_datasets(model_args, data_args)
@@ -479,23 +488,24 @@ def main(argv=None):
         )
 
     hub = open_hub_repo(training_args)
-    model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoint))
-    progress, settings = TrainingProgress(), objective_settings(data_args)
-    if checkpoint is not None:
-        state, progress = restore_checkpoint(checkpoint, state, plan, training_args.seed, settings)
+    model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoints))
+    bf16 = model_args.dtype == "bfloat16"
+    eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
+    data = data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, training_args.seed)
+    run = Run(
+        training_args, plan, model, tokenizer, collator, dataset, hub, eval_step, objective_settings(data_args), data
+    )
+    state, progress = restore_checkpoint(checkpoints, state, run) if checkpoints else (state, TrainingProgress())
     logger.info(
         f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
         f"{plan.num_devices} devices ({plan.local_devices} local), --{LENGTH_FLAG} {max_seq_length}"
     )
-    bf16 = model_args.dtype == "bfloat16"
-    eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
-    writer = open_summary_writer(training_args)
-    run = Run(training_args, plan, model, tokenizer, collator, dataset, hub, writer, eval_step, settings)
+    run.writer = open_summary_writer(training_args)
     state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
 
     last_eval = None
     if training_args.do_train:
-        run.checkpoints = open_checkpoints(training_args, fresh_start=checkpoint is None)
+        run.checkpoints = open_checkpoints(training_args, fresh_start=not checkpoints)
         train_step = make_train_step(model, schedule, bf16, training_args.seed)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             state, train_metrics, last_eval = train(state, train_step, run, progress)
@@ -604,9 +614,10 @@ class Run:
     collator: Any
     dataset: Any  # the train and validation splits
     hub: Any  # (api, repo id, token) with --push_to_hub
-    writer: Any  # TensorBoard
     eval_step: Any  # None without --do_eval
     objective: dict  # the objective's own arguments, recorded in checkpoints
+    data: dict  # what the data position depends on (data_fingerprint), recorded in checkpoints
+    writer: Any = None  # TensorBoard
     checkpoints: Any = None  # Orbax's CheckpointManager, while training
 
 
@@ -615,10 +626,11 @@ def train(state, train_step, run, progress):
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
     plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
+    STOP["training"], first_batch = True, progress.batch_in_epoch
     with bar:  # closed before an error line
         for epoch in range(progress.epoch, plan.num_epochs):
             batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, args.seed, epoch)
-            for index in range(progress.batch_in_epoch, len(batches)):
+            for index in range(first_batch if epoch == progress.epoch else 0, len(batches)):
                 if progress.global_step >= plan.total_steps:
                     break
                 rows = np.sort(batches[index])
@@ -634,6 +646,7 @@ def train(state, train_step, run, progress):
                 logged = after_step(state, run, progress, loop, end_of_epoch=index == len(batches) - 1)
                 if logged:
                     bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
+    STOP["training"] = False
     return state, train_summary(plan, progress, loop), loop.last_eval
 
 
@@ -647,10 +660,15 @@ def after_step(state, run, progress, loop, end_of_epoch):
     if run.eval_step is not None and (step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last):
         with loop.paused():
             loop.last_eval = (step, evaluate(state.params, run, step))
-    if step % args.save_steps == 0 or last:
+    stop = stop_requested()
+    if step % args.save_steps == 0 or last or stop:
         with loop.paused():
             fetch_metrics(loop, progress)
             progress.last_checkpoint = save_checkpoint(state, progress, run)
+    if stop:
+        where = f"stopped at step {step} on {signal.Signals(stop).name}; {progress.last_checkpoint} saved"
+        tqdm.write(f"{where}; rerun with --resume_from_checkpoint", file=sys.stderr)
+        raise SystemExit(128 + stop)
     return logged
 
 
@@ -660,7 +678,9 @@ def evaluate_and_write_results(params, run, progress, last_eval):
         last_eval = (progress.global_step, evaluate(params, run, progress.global_step))
     epoch = progress.global_step / run.plan.steps_per_epoch if run.plan.steps_per_epoch else 0.0
     eval_metrics = {**last_eval[1], "epoch": epoch}
-    write_results(run.args.output_dir, "eval", eval_metrics)
+    # An evaluation of another model (--overwrite_output_dir) replaces all_results.json instead of joining it.
+    merge = run.args.do_train or not run.args.overwrite_output_dir
+    write_results(run.args.output_dir, "eval", eval_metrics, merge)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in eval_metrics.items()}))
 
 
@@ -868,6 +888,9 @@ def start_process(model_args, training_args):
     other processes' logs. Returns the lock, to hold while the process runs."""
     init_distributed()
     release_compiler_memory()
+    STOP.clear()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     warn_if_bf16_is_slow("--dtype", model_args.dtype)
     lock = lock_output_dir(training_args.output_dir) if jax.process_index() == 0 else None
     if jax.process_index() != 0:
@@ -919,6 +942,30 @@ def init_distributed():
         return
     with contextlib.suppress(ValueError):  # no cluster found: a single process
         jax.distributed.initialize()
+
+
+# SIGTERM (a preemption, a batch scheduler) and SIGINT (Ctrl-C) stop training after the current step, with a
+# checkpoint (after_step); a second signal ends the run at once, the last complete checkpoint intact.
+STOP = {}  # "signal": the signal received; "training": whether the loop runs
+
+
+def on_signal(signum, _frame):
+    if STOP.get("signal"):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    STOP["signal"] = signum
+    if not STOP.get("training"):
+        print(
+            f"{os.path.basename(__file__)}: stopped on {signal.Signals(signum).name}, outside training: nothing to save",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + signum)
+
+
+def stop_requested():
+    """The signal any process received (all processes agree on the step they stop after), or 0."""
+    received = STOP.get("signal", 0)
+    return int(np.max(multihost_utils.process_allgather(np.int32(received)))) if jax.process_count() > 1 else received
 
 
 # --- data --------------------------------------------------------------------------------------------------------
@@ -987,6 +1034,28 @@ def objective_settings(data_args):
     """The objective's own arguments (what DataTrainingArguments adds to DataArguments), as checkpoints record them."""
     shared = {f.name for f in fields(DataArguments)}
     return {f.name: getattr(data_args, f.name) for f in fields(data_args) if f.name not in shared}
+
+
+def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
+    """What a saved data position means: the train files (size, and a hash of their first and last MiB), the dataset,
+    the tokenizer, the sequence length, the training rows, the seed and the global batch; checkpoints record it."""
+    files = {}
+    for path in [data_args.train_file] if data_args.train_file else []:
+        with open(path, "rb") as f:
+            size, head = os.path.getsize(path), f.read(1 << 20)
+            f.seek(max(size - (1 << 20), len(head)))
+            files[os.path.basename(path)] = f"{size} bytes, {hashlib.sha256(head + f.read()).hexdigest()[:12]}"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return {
+        "train_files": files,
+        "dataset": f"{data_args.dataset_name} {data_args.dataset_config_name}" if data_args.dataset_name else None,
+        "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest()[:12],
+        LENGTH_FLAG: max_seq_length,
+        "train_rows": plan.num_train_examples,
+        "seed": seed,
+        "train_batch_size": plan.train_batch_size,
+    }
 
 
 def select_samples(dataset, data_args):
@@ -1567,9 +1636,9 @@ def checkpoint_manager(directory, save_total_limit=None, writes=False):
     )
 
 
-def find_checkpoint(training_args):
-    """The checkpoint to resume from, with the Trainer's conventions, or None; refuses, before any long work, to
-    train into an output_dir that holds another run's files."""
+def find_checkpoint(training_args, model_args):
+    """The checkpoints to resume from, newest first (restore_checkpoint takes the first that restores), or None;
+    refuses, before any long work, to write into an output_dir that holds another run's files."""
     output_dir, resume = training_args.output_dir, (training_args.resume_from_checkpoint or "false").lower()
     complete = sorted((m.step, str(m.path)) for m in CheckpointNames().find_all(output_dir))
     for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
@@ -1581,13 +1650,13 @@ def find_checkpoint(training_args):
         path = training_args.resume_from_checkpoint
         if not (re.fullmatch(r"checkpoint-\d+", Path(path).name) and complete_checkpoint(path)):
             fail(f"--resume_from_checkpoint {path} is not a complete checkpoint-N folder written by this script")
-        return path
+        return [path]
     if resume == "true" and not complete:
         fail(
             f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
         )
     if resume == "true":
-        return complete[-1][1]
+        return [path for _, path in reversed(complete)]
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
     if training_args.do_train and complete:
@@ -1597,17 +1666,25 @@ def find_checkpoint(training_args):
         )
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
-    if os.path.exists(os.path.join(output_dir, "eval_results.json")):
+    results = [name for name in ("eval_results.json", "train_results.json") if os.path.exists(f"{output_dir}/{name}")]
+    if results and (results[0] == "eval_results.json" or not same_path(model_args.model_name_or_path, output_dir)):
         fail(
-            f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir"
+            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass --overwrite_output_dir "
+            "to replace them, or choose another --output_dir"
         )
     return None
+
+
+def same_path(a, b):
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def open_checkpoints(training_args, fresh_start):
     """The manager this run saves with. A fresh run into a used output_dir (--overwrite_output_dir) first removes the
     earlier run's checkpoints, so that no later resume can pick one."""
     manager = checkpoint_manager(training_args.output_dir, training_args.save_total_limit, writes=True)
+    for leftover in Path(training_args.output_dir).glob(".tmp-save-*"):  # from a save killed midway
+        shutil.rmtree(leftover)
     for step in manager.all_steps() if fresh_start else []:
         logger.warning(f"--overwrite_output_dir: removing checkpoint-{step} of an earlier run")
         manager.delete(step)
@@ -1619,6 +1696,8 @@ def save_checkpoint(state, progress, run):
     --save_total_limit); then the model in from_pretrained form in output_dir, and the hub repository updated.
     Returns its path."""
     output_dir, step = run.args.output_dir, progress.global_step
+    if step in run.checkpoints.all_steps():  # a damaged one, skipped on resume
+        run.checkpoints.delete(step)
     host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
     if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
         stop_diverged(step, "the parameters are no longer finite", progress)
@@ -1635,8 +1714,7 @@ def save_checkpoint(state, progress, run):
             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
     plan, progress_state = run.plan, {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
-    trainer_state = dict(progress_state, seed=run.args.seed, train_batch_size=plan.train_batch_size)
-    trainer_state.update(num_devices=plan.num_devices, objective=run.objective)
+    trainer_state = dict(progress_state, num_devices=plan.num_devices, objective=run.objective, data=run.data)
     try:
         run.checkpoints.save(
             step,
@@ -1672,56 +1750,105 @@ def save_pretrained(model, params, tokenizer, output_dir):
     os.rmdir(tmp_dir)
 
 
-def restore_checkpoint(path, abstract_state, plan, seed, objective):
-    """The train state and training progress saved in `path`, checked against this run: the same model shapes,
-    global batch and seed (the data order depends on both); other objective settings only get a warning (they may
-    be changed on purpose)."""
-    manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
-    stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
-    for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
-        if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
-            there = "missing" if key not in stored else tuple(stored[key].shape)
-            fail(
-                f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
-                "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
-            )
-    target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
-    try:
-        restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
-        restored = manager.restore(step, args=restore)
-    except (ValueError, KeyError) as e:
-        fail(f"cannot restore {path} (written with another optimizer?): {first_line(e)}")
-    manager.close()
-    saved = restored["trainer_state"]
-    for name, here in (("train_batch_size", plan.train_batch_size), ("seed", seed)):
-        if saved[name] != here:
-            fail(
-                f"{path} was written with {name} {saved[name]} and this run has {here}; resume with the same seed and global batch "
-                "(--per_device_train_batch_size x devices x --gradient_accumulation_steps)"
-            )
+def restore_checkpoint(paths, abstract_state, run):
+    """The train state and training progress of the first of `paths` that restores (a damaged one is skipped with a
+    line, unless --resume_from_checkpoint names it), checked against this run: the same model shapes, and the same
+    data position (data_fingerprint), unless --ignore_data_skip; other objective settings only get a warning."""
+    for path in paths:
+        try:
+            state, saved = read_checkpoint(path, abstract_state)
+            break
+        except ValueError as e:
+            if len(paths) == 1 and run.args.resume_from_checkpoint.lower() != "true":
+                fail(
+                    f"--resume_from_checkpoint {path} is damaged: {e}; resume from another checkpoint, or start afresh"
+                )
+            logger.warning(f"skipping {path}: damaged ({e})")
+    else:
+        fail(f"no checkpoint in {run.args.output_dir} can be restored; start afresh with --overwrite_output_dir")
+    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
+    progress.last_checkpoint, plan = path, run.plan
+    changed = ", ".join(
+        f"{k} {v} -> {run.data.get(k)}" for k, v in saved.get("data", {}).items() if run.data.get(k) != v
+    )
+    if changed and not run.args.ignore_data_skip:
+        fail(
+            f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
+            "data, tokenizer, length, seed and global batch that wrote it, or add --ignore_data_skip to start its epoch afresh"
+        )
+    if changed:
+        logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
+        progress.batch_in_epoch = 0
     if saved["num_devices"] != plan.num_devices:
         logger.warning(
             f"{path} was written on {saved['num_devices']} devices and this run has {plan.num_devices}: the same batches "
             "and updates, but dropout draws differ (they follow the device)"
         )
     changed = [
-        f"--{k} {v} -> {objective.get(k)}" for k, v in saved.get("objective", {}).items() if objective.get(k) != v
+        f"--{k} {v} -> {run.objective.get(k)}" for k, v in saved["objective"].items() if run.objective.get(k) != v
     ]
     if changed:
         logger.warning(
             f"{path} was written with other objective settings; going on with this run's: {', '.join(changed)}"
         )
-    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
-    progress.last_checkpoint = path
+    if progress.global_step >= plan.total_steps:
+        fail(
+            f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: nothing left to train, "
+            "every file left as it was; raise --max_steps or --num_train_epochs to train on"
+        )
     logger.info(f"Resuming at step {progress.global_step} from {path}")
-    return abstract_state.replace(**restored["state"]), progress
+    return state, progress
 
 
-def write_results(output_dir, split, metrics):
+def read_checkpoint(path, abstract_state):
+    """The train state and trainer state of the checkpoint `path`; ValueError names a missing or damaged part. A
+    model of other shapes is refused (Orbax would restore the saved shapes)."""
+    manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
+    parts = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "trainer_state/metadata")
+    missing = [part for part in parts if not os.path.isfile(os.path.join(path, part))]
+    if missing:
+        raise ValueError(f"{missing[0]} is missing")
+    try:
+        stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
+        for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+            if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
+                there = "missing" if key not in stored else tuple(stored[key].shape)
+                fail(
+                    f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
+                    "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
+                )
+        target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
+        restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
+        with quiet_closed_loop_tracebacks():
+            restored = manager.restore(step, args=restore)
+    except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds on damaged files
+        raise ValueError(f"{type(e).__name__}: {first_line(e)}") from None
+    finally:
+        manager.close()
+    return abstract_state.replace(**restored["state"]), restored["trainer_state"]
+
+
+@contextlib.contextmanager
+def quiet_closed_loop_tracebacks():
+    """Holds sys.stderr back while a checkpoint is read, then passes it on without the tracebacks TensorStore prints
+    when a damaged file stops Orbax's restore: each read still in flight reports into Orbax's closed event loop."""
+    real, sys.stderr, size = sys.stderr, io.StringIO(), -1
+    try:
+        yield
+    finally:
+        while size != len(sys.stderr.getvalue()):  # until the late ones stop
+            size = len(sys.stderr.getvalue())
+            time.sleep(0.1)
+        held, sys.stderr = sys.stderr.getvalue().splitlines(keepends=True), real
+        noise = re.compile(r"Traceback \(most recent call last\)|asyncio|_check_closed|Event loop is closed|^\s*$")
+        real.write("".join(line for line in held if not noise.search(line)))
+
+
+def write_results(output_dir, split, metrics, merge=True):
     """{split}_results.json and the merged all_results.json, as the Trainer's save_metrics writes them; atomically,
     with non-finite numbers as null (JSON has none)."""
     all_results = os.path.join(output_dir, "all_results.json")
-    merged = json.loads(Path(all_results).read_text()) if os.path.exists(all_results) else {}
+    merged = json.loads(Path(all_results).read_text()) if merge and os.path.exists(all_results) else {}
     for path, values in (
         (os.path.join(output_dir, f"{split}_results.json"), metrics),
         (all_results, {**merged, **metrics}),

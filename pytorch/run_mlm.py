@@ -48,6 +48,7 @@ os.environ.setdefault("USE_FLAX", "0")
 
 import datasets
 import numpy as np
+import safetensors
 import torch
 import torch.nn.functional as F
 import transformers
@@ -440,13 +441,13 @@ def check_checkpoint_config(checkpoint, config):
 
 
 def find_checkpoint(training_args):
-    """The checkpoint to resume from: --resume_from_checkpoint, or the newest complete checkpoint-N in
-    output_dir. The Trainer writes trainer_state.json last, so a checkpoint without it was cut short."""
+    """The checkpoint to resume from: --resume_from_checkpoint, or the newest checkpoint-N in output_dir that is
+    whole (checkpoint_damage); a damaged one is skipped with a line, or refused when named."""
     output_dir = training_args.output_dir
     if training_args.resume_from_checkpoint is not None:
         path = training_args.resume_from_checkpoint
-        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-            fail(f"--resume_from_checkpoint {path} is not a complete checkpoint (no trainer_state.json)")
+        if damage := checkpoint_damage(path):
+            fail(f"--resume_from_checkpoint {path} cannot be resumed: {damage}")
         return path
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
@@ -463,18 +464,35 @@ def find_checkpoint(training_args):
     )
     for _step, name in reversed(steps):
         path = os.path.join(output_dir, name)
-        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        if not (damage := checkpoint_damage(path)):
             logger.info(
                 f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "
                 "the `--output_dir` or add `--overwrite_output_dir` to train from scratch."
             )
             return path
-        logger.warning(f"{path} is incomplete (no trainer_state.json: interrupted while saving?); skipping it")
+        logger.warning(f"skipping {path}: {damage}")
     if set(os.listdir(output_dir)) - {".lock"}:
         fail(
             f"output directory {output_dir} is not empty and holds no checkpoint to resume from; "
             "pass --overwrite_output_dir to write into it"
         )
+    return None
+
+
+def checkpoint_damage(path):
+    """Why the Trainer's checkpoint `path` cannot be resumed exactly, or None: trainer_state.json (written last: a
+    checkpoint without it was cut short), the model's weights (readable), the optimizer's and the schedule's state
+    (without them the Trainer would silently start both afresh)."""
+    weights = next((n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(f"{path}/{n}")), None)
+    for name in ("trainer_state.json", weights or "model.safetensors", "optimizer.pt", "scheduler.pt"):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing" + (" (interrupted while saving?)" if name == "trainer_state.json" else "")
+    try:
+        if weights == "model.safetensors":
+            with safetensors.safe_open(os.path.join(path, weights), "pt") as f:
+                f.keys()
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file
+        return f"{weights} is damaged ({str(e).splitlines()[0]})"
     return None
 
 

@@ -54,9 +54,9 @@ def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
     )
 
 
-def kill_after_first_checkpoint(args, output_dir, env=None):
-    """Start a training run and kill -9 it once its first checkpoint (checkpoint-4) is complete; return what it
-    printed."""
+def kill_after_first_checkpoint(args, output_dir, env=None, signum=signal.SIGKILL):
+    """Start a training run and send it `signum` (kill -9) once its first checkpoint (checkpoint-4) is complete;
+    return what it printed."""
     proc = subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
@@ -69,8 +69,10 @@ def kill_after_first_checkpoint(args, output_dir, env=None):
     while not (output_dir / "checkpoint-4" / "trainer_state").is_dir():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    return proc.communicate()[0]
+    os.kill(proc.pid, signum)
+    output = proc.communicate()[0]
+    assert proc.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), output[-3000:]
+    return output
 
 
 def renamed_copy(script, directory):

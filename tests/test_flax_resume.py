@@ -2,6 +2,7 @@
 refusals of a resume that cannot be exact. Its own file, so that the suite's workers (one file each) balance."""
 
 import shutil
+import signal
 
 import pytest
 from conftest import TWO_DEVICES, check_ok, error_line, flax_args, kill_after_first_checkpoint, losses_by_step, run
@@ -40,20 +41,24 @@ def uninterrupted(request, corpus, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("path", [MLM, T5])
-def test_kill_9_then_resume_is_bitwise_exact(path, uninterrupted, request, corpus, tmp_path):
-    """kill -9 at any point after the first checkpoint, then the same command with --resume_from_checkpoint:
-    the final weights are bitwise those of an uninterrupted run, and every logged loss is the same. A
-    checkpoint the kill cut short (Orbax's temporary folder) is skipped with a warning."""
+@pytest.mark.parametrize("path,signum", [(MLM, signal.SIGTERM), (T5, signal.SIGKILL)])
+def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request, corpus, tmp_path):
+    """kill -9 at any point after the first checkpoint, or SIGTERM (which saves the step it stops after), then the
+    same command with --resume_from_checkpoint: the final weights are bitwise those of an uninterrupted run, and
+    every logged loss is the same. What a kill cut short (Orbax's temporary folder, the model's) is cleaned up."""
     full_dir, full_losses = uninterrupted[path]
     out = tmp_path / "run"
     args = flax_args(path, request, corpus, out, *RESUMABLE)
-    before = losses_by_step(kill_after_first_checkpoint(args, out))
+    stopped = kill_after_first_checkpoint(args, out, signum=signum)
+    before = losses_by_step(stopped)
     complete = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if (p / "trainer_state").is_dir())
-    # What a kill in the middle of writing the next checkpoint leaves: a partial temporary folder.
+    if signum == signal.SIGTERM:
+        assert f"stopped at step {complete[-1]} on SIGTERM; {out / f'checkpoint-{complete[-1]}'} saved" in stopped
+    # What a kill in the middle of writing the next checkpoint leaves: partial temporary folders.
     partial = out / f"checkpoint-{complete[-1] + 4}.orbax-checkpoint-tmp-1"
     shutil.copytree(out / f"checkpoint-{complete[-1]}", partial)
     shutil.rmtree(partial / "state")
+    (out / ".tmp-save-killed").mkdir()
 
     resumed = check_ok(run(args + ["--resume_from_checkpoint"]))
     log = resumed.stdout + resumed.stderr
@@ -64,7 +69,7 @@ def test_kill_9_then_resume_is_bitwise_exact(path, uninterrupted, request, corpu
     for step, loss in {**before, **after}.items():
         assert loss == full_losses[step], (step, loss, full_losses[step])
     assert (out / "flax_model.msgpack").read_bytes() == (full_dir / "flax_model.msgpack").read_bytes()
-    assert not list(out.glob("*orbax-checkpoint-tmp*"))
+    assert not list(out.glob("*orbax-checkpoint-tmp*")) and not list(out.glob(".tmp-save-*"))
 
 
 def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, corpus, tmp_path):
@@ -79,7 +84,7 @@ def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, co
     assert "holds no complete checkpoint" in bad("--resume_from_checkpoint", output_dir=tmp_path / "empty")
     assert "not a complete checkpoint" in bad("--resume_from_checkpoint", str(tmp_path / "nowhere"))
     line = bad("--resume_from_checkpoint", "--per_device_train_batch_size", "4")
-    assert "train_batch_size 8" in line and "this run has 4" in line
+    assert "written for other data (train_batch_size 8 -> 4)" in line and "--ignore_data_skip" in line
     small = tmp_path / "small_config"
     check_ok(
         run(
@@ -102,8 +107,45 @@ def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, co
     moved.mkdir()
     shutil.copytree(full_dir / "checkpoint-56", moved / "checkpoint-56")
     extra = ("--resume_from_checkpoint", "--per_device_train_batch_size", "4", "--mlm_probability", "0.2")
+    extra += ("--max_train_samples", "1000", "--ignore_data_skip")  # other data: its epoch starts afresh
     result = check_ok(run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *extra), env=TWO_DEVICES))
     assert "other objective settings; going on with this run's: --mlm_probability 0.15 -> 0.2" in result.stderr
+    assert "--ignore_data_skip: " in result.stderr and "train_rows" in result.stderr
     assert "written on 1 devices and this run has 2" in result.stderr and sorted(
         map(int, losses_by_step(result.stdout + result.stderr))
     ) == [58, 60]
+
+
+def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
+    """Nothing left to train, other data, a damaged checkpoint: one line each (no traceback), every results file as
+    it was. Without a path, a damaged newest checkpoint is skipped for the one before it, and the run still ends
+    bitwise where the uninterrupted one did."""
+    full_dir, _ = uninterrupted[MLM]
+
+    def bad(*extra, output_dir=full_dir):
+        result = run(flax_args(MLM, request, corpus, output_dir, *RESUMABLE, *extra))
+        assert "Traceback" not in result.stderr
+        return error_line(result, "run_mlm_flax.py")
+
+    results = {name: (full_dir / name).read_bytes() for name in ("train_results.json", "all_results.json")}
+    assert "at step 60 and this run ends at step 60: nothing left to train" in bad("--resume_from_checkpoint")
+    assert "this run ends at step 40: nothing left" in bad("--resume_from_checkpoint", "--max_steps", "40")
+    assert all((full_dir / name).read_bytes() == content for name, content in results.items())
+    damaged = tmp_path / "damaged"
+    for step in (52, 56):
+        shutil.copytree(full_dir / f"checkpoint-{step}", damaged / f"checkpoint-{step}")
+    line = bad("--resume_from_checkpoint", "--max_seq_length", "24", output_dir=damaged)
+    assert "written for other data (" in line and "max_seq_length 32 -> 24" in line
+    array = max((damaged / "checkpoint-56" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
+    array.write_bytes(array.read_bytes()[:100])
+    line = bad("--resume_from_checkpoint", str(damaged / "checkpoint-56"), output_dir=damaged)
+    assert f"--resume_from_checkpoint {damaged / 'checkpoint-56'} is damaged: " in line
+    resumed = check_ok(run(flax_args(MLM, request, corpus, damaged, *RESUMABLE, "--resume_from_checkpoint")))
+    log = resumed.stdout + resumed.stderr
+    assert f"skipping {damaged / 'checkpoint-56'}: damaged (" in log and "Resuming at step 52" in log
+    assert "Traceback" not in log and "Event loop" not in log
+    assert (damaged / "flax_model.msgpack").read_bytes() == (full_dir / "flax_model.msgpack").read_bytes()
+    # An evaluation of another model into a training run's folder would mix its results with the run's.
+    evaluation = run(flax_args(MLM, request, corpus, full_dir, "--do_eval", "--model_name_or_path", str(damaged)))
+    line = error_line(evaluation, "run_mlm_flax.py")
+    assert f"{full_dir} already holds another evaluation's or model's results (train_results.json)" in line

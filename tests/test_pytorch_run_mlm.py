@@ -116,12 +116,18 @@ def test_resume_continues_exactly(trained, tmp_path):
     again = tmp_path / "again"
     again.mkdir()
     shutil.copytree(out / "checkpoint-30", again / "checkpoint-30")
-    shutil.copytree(out / "checkpoint-30", again / "checkpoint-45")  # a save that was cut short: no trainer_state.json
-    (again / "checkpoint-45" / "trainer_state.json").unlink()
+    for damaged in (45, 50, 55):
+        shutil.copytree(out / "checkpoint-30", again / f"checkpoint-{damaged}")
+    (again / "checkpoint-45" / "trainer_state.json").unlink()  # a save that was cut short
+    weights = again / "checkpoint-50" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    (again / "checkpoint-55" / "optimizer.pt").unlink()  # the Trainer would go on with a fresh optimizer
     args = list(args)
     args[args.index("--output_dir") + 1] = str(again)
     resumed = check_ok(run(args))
-    assert "checkpoint-45 is incomplete" in resumed.stdout + resumed.stderr
+    log = resumed.stdout + resumed.stderr
+    assert "checkpoint-45: trainer_state.json is missing" in log and "checkpoint-55: optimizer.pt is missing" in log
+    assert "checkpoint-50: model.safetensors is damaged" in log and "Traceback" not in log
     assert "resuming training at" in resumed.stdout + resumed.stderr
     assert trainer_losses(resumed.stdout) == pytest.approx(trainer_losses(result.stdout)[3:], abs=2e-4)
     assert results(again, "train")["global_step"] == 60
@@ -137,6 +143,9 @@ def test_checkpoint_of_another_config_is_refused(trained, bad, tmp_path):
     shutil.copytree(out / "checkpoint-30", again / "checkpoint-30")
     line = bad("--config_overrides", "hidden_size=32", output_dir=again)
     assert "checkpoint-30 holds a model of another config (hidden_size 64 there, 32 here)" in line
+    (again / "checkpoint-30" / "scheduler.pt").unlink()
+    line = bad("--resume_from_checkpoint", str(again / "checkpoint-30"), output_dir=again)
+    assert "checkpoint-30 cannot be resumed: scheduler.pt is missing" in line
 
 
 def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
