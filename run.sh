@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's entry point. Needs only Python 3.11 with venv and pip; everything else it installs.
 #   bash run.sh main    set up, then: PTB corpus -> tokenizer -> small RoBERTa config -> Flax MLM pretraining
-#                       (about 5 minutes on 2 CPU cores) -> eval loss, masked-token accuracy, perplexity
+#                       (3 to 4 minutes on 2 CPU cores) -> eval loss, masked-token accuracy, perplexity
 #   bash run.sh test    set up both environments, then run the test suite on every core (extra arguments go to
 #                       pytest; -n 0 runs it in one process)
 #   bash run.sh setup   only create/refresh the main virtual environment (.venv, or $VENV)

@@ -1675,13 +1675,16 @@ def same_path(a, b):
 
 def open_checkpoints(training_args, fresh_start):
     """The manager this run saves with. A fresh run into a used output_dir (--overwrite_output_dir) first removes the
-    earlier run's checkpoints, so that no later resume can pick one."""
+    earlier run's checkpoints and results, so that no later resume can pick one and no result file mixes two runs."""
     manager = checkpoint_manager(training_args.output_dir, training_args.save_total_limit, writes=True)
     for leftover in Path(training_args.output_dir).glob(".tmp-save-*"):  # from a save killed midway
         shutil.rmtree(leftover)
     for step in manager.all_steps() if fresh_start else []:
         logger.warning(f"--overwrite_output_dir: removing checkpoint-{step} of an earlier run")
         manager.delete(step)
+    for name in ("train_results.json", "eval_results.json", "all_results.json") if fresh_start else ():
+        with contextlib.suppress(FileNotFoundError):  # an earlier run's: they would merge into this run's
+            os.remove(os.path.join(training_args.output_dir, name))
     return manager
 
 

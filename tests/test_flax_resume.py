@@ -149,3 +149,17 @@ def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
     evaluation = run(flax_args(MLM, request, corpus, full_dir, "--do_eval", "--model_name_or_path", str(damaged)))
     line = error_line(evaluation, "run_mlm_flax.py")
     assert f"{full_dir} already holds another evaluation's or model's results (train_results.json)" in line
+
+
+def test_a_second_signal_ends_the_run_at_once():
+    """The first SIGTERM in training asks for a checkpoint after the step; a second one (during that save) kills the
+    process as SIGTERM's default does, so the last complete checkpoint stays as it was."""
+    code = (
+        "import os, signal, sys, time; sys.path.insert(0, 'tests'); from conftest import load_script; "
+        f"script = load_script({MLM!r}, 'signals'); script.STOP['training'] = True; "
+        "signal.signal(signal.SIGTERM, script.on_signal); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5); "
+        "print('asked', script.STOP['signal'] == signal.SIGTERM, flush=True); os.kill(os.getpid(), signal.SIGTERM); "
+        "time.sleep(5); print('still alive')"
+    )
+    result = run(["-c", code])
+    assert result.returncode == -signal.SIGTERM and result.stdout == "asked True\n", result.stdout + result.stderr

@@ -3,7 +3,9 @@ Trainer-compatible outputs, and multi-host runs (exact resume: test_flax_resume.
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -208,30 +210,7 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
     assert len(warnings) == 1 and "WARNING" in warnings[0] and "--dtype bfloat16: this CPU" in warnings[0], (
         single.stderr[-3000:]
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JAX_NUM_PROCESSES": "2",
-            "JAX_PROCESS_ID": str(rank),
-            "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}"),
-            "LM_CPU_BF16": "1",
-        }
-        env.pop("XLA_FLAGS", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *flax_args(path, request, corpus, tmp_path / "multi", *steps)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    procs = start_two_hosts(flax_args(path, request, corpus, tmp_path / "multi", *steps), tmp_path, LM_CPU_BF16="1")
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "2 devices (1 local)" in logs[0] and not any("no bf16 instructions" in log for log in logs)
@@ -242,6 +221,46 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
     one, two = (json.loads((tmp_path / d / "eval_results.json").read_text()) for d in ("single", "multi"))
     assert two["eval_samples"] == one["eval_samples"] and two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-4)
     assert (tmp_path / "multi" / "checkpoint-4" / "trainer_state").is_dir()
+
+
+def start_two_hosts(args, tmp_path, **env):
+    """Two processes of one device each, joined by JAX over localhost, running a script with `args`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        environment = {
+            **os.environ,
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(rank),
+            "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}"),
+            **env,
+        }
+        environment.pop("XLA_FLAGS", None)
+        popen = dict(cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(subprocess.Popen([sys.executable, *args], **popen))
+    return procs
+
+
+def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, corpus, tmp_path):
+    """A preemption notice reaches one process of a multi-host run: both stop after the same step, with that step's
+    checkpoint, each saying so in one line, and exit 143."""
+    out, steps = tmp_path / "multi", ["--max_steps", "200", "--save_steps", "2", "--logging_steps", "1"]
+    procs = start_two_hosts(
+        flax_args(MLM, request, corpus, out, "--do_train", "--report_to", "none", *steps), tmp_path
+    )
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state").is_dir():
+        assert all(p.poll() is None for p in procs) and time.time() < deadline, "no first checkpoint"
+        time.sleep(0.02)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [143, 143], logs[0][-3000:] + logs[1][-3000:]
+    stopped = [re.search(r"stopped at step (\d+) on SIGTERM; (\S+) saved", log) for log in logs]
+    assert stopped[0] and stopped[1] and stopped[0].groups() == stopped[1].groups(), logs[0][-2000:]
+    assert int(stopped[0][1]) < 200 and (out / f"checkpoint-{stopped[0][1]}" / "trainer_state").is_dir()
 
 
 def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch):
