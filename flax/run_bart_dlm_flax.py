@@ -807,6 +807,8 @@ def setup_logging(log_level):
     )
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
+    # A damaged checkpoint's reads, abandoned when Orbax's restore fails, are each logged again when collected.
+    logging.getLogger("asyncio").filters = [lambda record: "exception was never retrieved" not in record.getMessage()]
 
 
 def validate_args(model_args, data_args, training_args):
