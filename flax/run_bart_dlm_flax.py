@@ -1669,16 +1669,14 @@ def find_checkpoint(training_args, model_args):
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     results = [name for name in ("eval_results.json", "train_results.json") if os.path.exists(f"{output_dir}/{name}")]
-    if results and (results[0] == "eval_results.json" or not same_path(model_args.model_name_or_path, output_dir)):
+    model = model_args.model_name_or_path
+    own_model = model is not None and os.path.realpath(model) == os.path.realpath(output_dir)
+    if results and (results[0] == "eval_results.json" or not own_model):
         fail(
             f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass --overwrite_output_dir "
             "to replace them, or choose another --output_dir"
         )
     return None
-
-
-def same_path(a, b):
-    return a is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def open_checkpoints(training_args, fresh_start):
