@@ -89,7 +89,7 @@ SIZES = {
 MODES = {
     "flax": ("flax", "fp32", "jax.jit, donated state, LM head at masked positions"),
     "flax_bf16": ("flax", "bf16", "as flax, dense layers bf16 x bf16 -> f32 (f32 model)"),
-    "flax_pmap": ("flax", "fp32", "as flax, jax.pmap over fake CPU devices"),
+    "flax_fsdp": ("flax", "fp32", "as flax, --fsdp full_shard over fake CPU devices"),
     "torch": ("pytorch", "fp32", "eager"),
     "torch_bf16": ("pytorch", "bf16", "eager, CPU autocast bfloat16"),
     "torch_compile": ("pytorch", "fp32", "torch.compile (inductor)"),
@@ -98,7 +98,7 @@ MODES = {
     "tf_xla": ("tensorflow", "fp32", "tf.function(jit_compile=True)"),
     "tf_bf16": ("tensorflow", "bf16", "mixed_bfloat16"),
 }
-DEFAULT_MODES = [m for m in MODES if m != "flax_pmap"]
+DEFAULT_MODES = [m for m in MODES if m != "flax_fsdp"]
 LEARNING_RATE, WEIGHT_DECAY, BETAS, EPS = 5e-4, 0.01, (0.9, 0.999), 1e-8
 MLM_PROBABILITY = 0.15
 
@@ -227,7 +227,7 @@ def worker_flax(spec, batches):
     state = train_state.TrainState.create(apply_fn=model.__call__, params=params, tx=tx)
     del params
 
-    def train_step(state, batch, axis=None):
+    def train_step(state, batch):
         def loss_fn(params):
             inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "masked_positions")}
             logits = mlm.masked_lm_logits(model, params, inputs, bf16)
@@ -236,24 +236,23 @@ def worker_flax(spec, batches):
 
         grad_fn = jax.value_and_grad(jax.checkpoint(loss_fn, policy=mlm.save_all_but_transcendentals), has_aux=True)
         (loss, count), grad = grad_fn(state.params)
-        if axis:
-            loss, count, grad = jax.lax.psum((loss, count, grad), axis)
         count = jnp.maximum(count, 1)
         grad = jax.tree_util.tree_map(lambda g: g / count, grad)
         return state.apply_gradients(grads=grad), loss / count
 
-    if spec["mode"] == "flax_pmap":
-        n = jax.local_device_count()
-        step = jax.pmap(lambda s, b: train_step(s, b, "batch"), "batch", donate_argnums=(0,))
-        state = jax.pmap(lambda x: x, "batch")(jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)] * n), state))
+    if spec["mode"] == "flax_fsdp":  # the script's mesh and shardings; its batch rows split over the devices
+        mesh = mlm.make_mesh("full_shard")
+        shardings = mlm.state_shardings(state, mesh, "full_shard")
+        state = jax.device_put(state, shardings)
+        step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("replica", "fsdp")))
 
         def run(batch):
             nonlocal state
-            batch = mlm.gather_masked(batch, MLM_PROBABILITY)
-            state, loss = step(state, {k: v.reshape((n, -1) + v.shape[1:]) for k, v in batch.items()})
-            return float(loss[0])
+            state, loss = step(state, jax.device_put(mlm.gather_masked(batch, MLM_PROBABILITY), rows))
+            return float(loss)
 
-        extra = {"devices": n}
+        extra = {"devices": jax.device_count()}
     else:
         step = jax.jit(train_step, donate_argnums=(0,))
         # Committed to the device like the step's outputs, so that the second step does not compile again.
@@ -1184,7 +1183,7 @@ def build_parser():
         "--modes",
         default=None,
         help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}). "
-        "Default: all but flax_pmap, and no bf16 mode on a CPU without bf16 instructions.",
+        "Default: all but flax_fsdp, and no bf16 mode on a CPU without bf16 instructions.",
     )
     parser.add_argument(
         "--end_to_end",
@@ -1202,7 +1201,7 @@ def build_parser():
         help="--end_to_end: eval loss whose first crossing is timed "
         "(default: the worst final eval loss among the modes).",
     )
-    parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_pmap mode.")
+    parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_fsdp mode.")
     parser.add_argument(
         "--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false)."
     )
@@ -1250,7 +1249,7 @@ def resolve_args(args):
         fail(f"--warmup_steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     size = dict(SIZES[args.size])
     size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
-    if "flax_pmap" in modes and size["batch_size"] % args.flax_devices:
+    if "flax_fsdp" in modes and size["batch_size"] % args.flax_devices:
         fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
     args.skipped = slow_bf16(modes, {m: known[m][1] for m in modes}, named=args.modes is not None)
     return modes, size
@@ -1318,7 +1317,7 @@ def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
                 result = run_worker(spec, work, python=args.xla_python, env={"PJRT_DEVICE": "CPU"})
         else:
             flags = args.xla_flags + (
-                f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_pmap" else ""
+                f" --xla_force_host_platform_device_count={args.flax_devices}" if name == "flax_fsdp" else ""
             )
             result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 # Reproduction of Hugging Face's examples/flax/language-modeling/run_clm_flax.py (Apache-2.0 upstream),
 # rewritten for transformers 4.57.6 / jax 0.9.2 / flax 0.12.6, offline by default.
-"""Pretrain a causal language model (GPT-2, ...) with Flax, data parallel over all devices.
+"""Pretrain a causal language model (GPT-2, ...) with Flax over all devices.
 
 Example (local files, see README.md):
   python flax/run_clm_flax.py --output_dir out/clm --model_type gpt2 --config_name out/gpt2 \
@@ -14,13 +14,15 @@ Differs from upstream:
 - The loss is the sum over every predicted token of the global batch over their count; padding (the last eval
   batch's) is masked out; next-token accuracy beside loss and perplexity; GPT-2's Conv1D computes in bf16 too.
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order and dropout
-  derive from (seed, epoch) and (seed, step, device). `--save_total_limit`, `--resume_from_checkpoint`.
+  derive from (seed, epoch) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
   SIGTERM or Ctrl-C saves the current step and exits 143/130.
 - A non-finite loss or gradient stops training before it reaches a checkpoint; bad input is one line, before work.
 - `--gradient_accumulation_steps`; every mean (loss, accuracy) is exact over the global batch and over evaluation.
 - `--dtype bfloat16`: bf16 products with f32 accumulation on an f32 model.
 - Throughput, TFLOP/s and MFU (`--peak_tflops`) in the log; TensorBoard and results files with the Trainer's keys.
+- One `jax.jit` step over a device mesh instead of `pmap`: data parallel, or with `--fsdp full_shard` (or
+  `hybrid_shard`: within each process) parameters, gradients and Adam state sharded; checkpoints restore on any mesh.
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 """
 
@@ -70,6 +72,7 @@ from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
@@ -98,6 +101,10 @@ class TrainingArguments:
     per_device_train_batch_size: int = arg(8, "Batch size per device for training.")
     per_device_eval_batch_size: int = arg(8, "Batch size per device for evaluation.")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per update (global batch: per device x devices x this).")
+    fsdp: str = arg(
+        "",
+        "full_shard: shard parameters, gradients and Adam state over all devices; hybrid_shard: over each process's devices.",
+    )
     learning_rate: float = arg(5e-5, "The initial learning rate for AdamW.")
     weight_decay: float = arg(0.0, "Weight decay for AdamW if we apply some.")
     adam_beta1: float = arg(0.9, "Beta1 for AdamW optimizer")
@@ -305,17 +312,13 @@ def main(argv=None):
         training_args, plan, model, tokenizer, collator, dataset, hub, eval_step, objective_settings(data_args), data
     )
     state, progress = restore_checkpoint(checkpoints, state, run) if checkpoints else (state, TrainingProgress())
-    logger.info(
-        f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
-        f"{plan.num_devices} devices ({plan.local_devices} local), --{LENGTH_FLAG} {max_seq_length}"
-    )
+    log_model(config, state, plan, max_seq_length)
     run.writer = open_summary_writer(training_args)
-    state = replicate(state, plan.local_devices)  # rebinding `state` frees the host copy
 
     last_eval = None
     if training_args.do_train:
         run.checkpoints = open_checkpoints(training_args, fresh_start=not checkpoints)
-        train_step = make_train_step(model, schedule, bf16, training_args.seed)
+        train_step = make_train_step(model, schedule, bf16, training_args.seed, state)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             state, train_metrics, last_eval = train(state, train_step, run, progress)
         write_results(training_args.output_dir, "train", {**train_metrics, LENGTH_FLAG: max_seq_length})
@@ -333,8 +336,8 @@ def main(argv=None):
 
 
 def build_train_state(model_args, training_args, config, plan, abstract=False):
-    """The model (build_model), its train state on the host and the learning-rate schedule; abstract=True gives
-    only the state's shapes, a target to restore a checkpoint into."""
+    """The model (build_model), its train state placed on plan.mesh as state_shardings says, and the learning-rate
+    schedule; abstract=True gives only the state's shapes and shardings, a target to restore a checkpoint into."""
     model, params = build_model(model_args, training_args, config, abstract)
     args = training_args
     schedule = create_learning_rate_fn(max(plan.total_steps, 1), args.warmup_steps, args.learning_rate)
@@ -349,15 +352,26 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
             weight_decay=args.weight_decay,
             mask=decay_mask_fn,
         )
+
     create = functools.partial(train_state.TrainState.create, apply_fn=None, tx=optimizer)
-    return model, jax.eval_shape(create, params=params) if abstract else create(params=params), schedule
+    shapes = jax.eval_shape(create, params=params)
+    shardings = state_shardings(shapes, plan.mesh, args.fsdp)
+    if abstract:
+        shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+        return model, shapes, schedule
+    # New parameters are in their shards already; loaded ones are placed shard by shard.
+    place = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: np.asarray(x[index]))  # noqa: E731
+    params = jax.tree.map(
+        lambda x, s: x if getattr(x, "sharding", None) == s else place(x, s), params, shardings.params
+    )
+    return model, jax.jit(create, out_shardings=shardings)(params=params), schedule
 
 
-def make_train_step(model, schedule, bf16, seed):
-    """The train step over all local devices; its batch holds one row of micro-batches per device. loss_sums' sums
-    and counts are added over every micro-batch and device before any division, so every mean is exact over the
-    global batch, and each loss term's gradient is divided by its own count: one batch of that size would give
-    the same update."""
+def make_train_step(model, schedule, bf16, seed, state):
+    """The train step, one jit over plan.mesh that keeps `state`'s shardings; its batch holds micro-batches of rows
+    sharded over every device. loss_sums' sums and counts are added over every micro-batch before any division, so
+    every mean is exact over the global batch, and each loss term's gradient is divided by its own count: one batch
+    of that size would give the same update."""
     base_key = jax.random.PRNGKey(seed)
 
     def loss_fn(params, batch, dropout_rng):
@@ -373,8 +387,9 @@ def make_train_step(model, schedule, bf16, seed):
         return sums, {name: vjp_fn(cotangent)[0] for name, cotangent in basis.items()}
 
     def train_step(state, batch):
-        # Dropout keys from (seed, step, device, micro-batch): a resumed run draws what an uninterrupted one drew.
-        step_key = jax.random.fold_in(jax.random.fold_in(base_key, state.step), lax.axis_index("batch"))
+        # Dropout keys from (seed, step, micro-batch), drawn for the global batch whatever the device count: a resumed
+        # run draws what an uninterrupted one drew, on any mesh.
+        step_key = jax.random.fold_in(base_key, state.step)
 
         def micro_step(totals, micro):
             index, micro_batch = micro
@@ -388,7 +403,6 @@ def make_train_step(model, schedule, bf16, seed):
         )
         micro_batches = jax.tree_util.tree_leaves(batch)[0].shape[0]
         (sums, grads), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
-        sums, grads = lax.psum((sums, grads), "batch")
         scaled = [
             jax.tree_util.tree_map(lambda g, w=weight, n=sums[name][1]: w * g / jnp.maximum(n, 1), grads[name])
             for name, weight in LOSS_TERMS.items()
@@ -398,18 +412,19 @@ def make_train_step(model, schedule, bf16, seed):
         metrics.update(learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
-    return jax.pmap(train_step, "batch", donate_argnums=(0,))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
 
 
 def make_eval_step(model, bf16, seed):
-    """loss_sums' sums and counts over every device; the rng follows (seed, batch index, device), so an objective
-    that samples evaluates the same way every time."""
+    """loss_sums' sums and counts of a batch sharded over every device; the rng follows (seed, batch index), so an
+    objective that samples evaluates the same way every time."""
 
     def eval_step(params, batch, index):
-        rng = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), index), lax.axis_index("batch"))
-        return lax.psum(loss_sums(model, params, batch, rng, train=False, bf16=bf16), "batch")
+        rng = jax.random.fold_in(jax.random.PRNGKey(seed), index)
+        return loss_sums(model, params, batch, rng, train=False, bf16=bf16)
 
-    return jax.pmap(eval_step, "batch")
+    return jax.jit(eval_step)
 
 
 @dataclass
@@ -430,8 +445,20 @@ class Run:
     checkpoints: Any = None  # Orbax's CheckpointManager, while training
 
 
+def log_model(config, state, plan, max_seq_length):
+    """One line: the model, its parameters, the devices and the train state's bytes on each (--fsdp divides them)."""
+    leaves = jax.tree_util.tree_leaves(state)
+    total = sum(x.size * x.dtype.itemsize for x in leaves) / 2**20
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves) / 2**20
+    logger.info(
+        f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
+        f"{plan.num_devices} devices ({plan.local_devices} local), train state {per_device:.1f} MB per device "
+        f"({total:.1f} MB in all), --{LENGTH_FLAG} {max_seq_length}"
+    )
+
+
 def train(state, train_step, run, progress):
-    """Train the replicated `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
+    """Train `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
     plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
@@ -444,7 +471,7 @@ def train(state, train_step, run, progress):
                     break
                 rows = np.sort(batches[index])
                 batch = collate_batch(run.collator, run.dataset["train"][rows], (args.seed, epoch), rows, len(rows))
-                batch = device_batch(batch, plan, args.gradient_accumulation_steps)
+                batch = global_batch(batch, plan, args.gradient_accumulation_steps)
                 state, metrics = timed_step(train_step, state, batch, loop)
                 progress.global_step += 1
                 progress.epoch, progress.batch_in_epoch = (
@@ -501,9 +528,7 @@ def evaluate(params, run, step):
     batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
     for index, rows in enumerate(tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0)):
         batch = collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size)
-        sums = unreplicate(
-            run.eval_step(params, device_batch(batch, plan), np.full(plan.local_devices, index, np.int32))
-        )
+        sums = run.eval_step(params, global_batch(batch, plan), np.int32(index))
         for name, (total, count) in sums.items():
             previous = totals.get(name, (0.0, 0.0))
             totals[name] = (previous[0] + float(total), previous[1] + float(count))
@@ -586,7 +611,7 @@ def parse_args(argv=None):
                     fail(f"--{name} must be {what}, got {value}")
         for name, words in CHOICES.items():
             if hasattr(group, name) and getattr(group, name) not in words:
-                fail(f"--{name} must be one of {', '.join(words)}, got {getattr(group, name)!r}")
+                fail(f"--{name} must be one of {', '.join(map(repr, words))}, got {getattr(group, name)!r}")
     return groups
 
 
@@ -606,6 +631,7 @@ CHOICES = {
     "dtype": ("float32", "float16", "bfloat16"),
     "report_to": ("tensorboard", "none", "all"),
     "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
+    "fsdp": ("", "full_shard", "hybrid_shard"),
 }
 
 
@@ -616,8 +642,9 @@ def setup_logging(log_level):
     )
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
-    # A damaged checkpoint's reads, abandoned when Orbax's restore fails, are each logged again when collected.
+    # A damaged checkpoint's reads, abandoned when Orbax's restore fails, are each reported again when collected.
     logging.getLogger("asyncio").filters = [lambda record: "exception was never retrieved" not in record.getMessage()]
+    sys.unraisablehook = lambda u: "while reading array index" in str(u.exc_value) or sys.__unraisablehook__(u)
 
 
 def validate_args(model_args, data_args, training_args):
@@ -626,35 +653,17 @@ def validate_args(model_args, data_args, training_args):
     for flag, path in files.items():
         if path is not None:
             check_data_file(flag, path)
-    args, model_type, extensions = (
-        training_args,
-        model_args.model_type,
-        sorted({os.path.splitext(p)[1] for p in files.values() if p}),
-    )
+    args, data, kind = training_args, data_args, model_args.model_type
+    extensions = sorted({os.path.splitext(p)[1] for p in files.values() if p})
     for refused, message in (
-        (
-            data_args.dataset_name is None and not any(files.values()),
-            "need --dataset_name or --train_file/--validation_file",
-        ),
-        (
-            len(extensions) > 1,
-            f"--train_file and --validation_file need the same extension (one loader), got {extensions}",
-        ),
-        (
-            data_args.dump_noised_examples and not args.do_train,
-            "--dump_noised_examples shows training rows: add --do_train",
-        ),
+        (not (data.dataset_name or any(files.values())), "need --dataset_name or --train_file/--validation_file"),
+        (len(extensions) > 1, f"--train_file and --validation_file need the same extension, got {extensions}"),
+        (data.dump_noised_examples and not args.do_train, "--dump_noised_examples needs --do_train (training rows)"),
         (not args.do_train and not args.do_eval, "nothing to do: pass --do_train and/or --do_eval"),
-        (
-            args.max_steps <= 0 and args.num_train_epochs <= 0,
-            "--num_train_epochs must be positive, or give --max_steps",
-        ),
+        (max(args.max_steps, args.num_train_epochs) <= 0, "--num_train_epochs must be positive, or give --max_steps"),
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
         (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
-        (
-            model_type not in (None, *MODEL_TYPES),
-            f"--model_type {model_type!r}: choose one of {', '.join(MODEL_TYPES)}",
-        ),
+        (kind not in (None, *MODEL_TYPES), f"--model_type {kind!r}: choose one of {', '.join(MODEL_TYPES)}"),
     ):
         if refused:
             fail(message)
@@ -932,19 +941,15 @@ def load_config_and_tokenizer(model_args):
     against each other and fitted to the objective (fit_objective)."""
     args = model_args
     kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
-    config_source, tokenizer_source = (
-        args.config_name or args.model_name_or_path,
-        args.tokenizer_name or args.model_name_or_path,
-    )
-    if config_source is None and args.model_type is None:
+    config_path = args.config_name or args.model_name_or_path
+    tokenizer_source = args.tokenizer_name or args.model_name_or_path
+    if config_path is None and args.model_type is None:
         fail("need --config_name, --model_name_or_path or --model_type to know which model to train")
     if tokenizer_source is None:
-        fail(
-            "this script trains no tokenizer: train one with tokenizers/train_tokenizer.py, pass it as --tokenizer_name"
-        )
+        fail("this script trains no tokenizer: make one with tokenizers/train_tokenizer.py, pass --tokenizer_name")
     try:
         config = (
-            AutoConfig.from_pretrained(config_source, **kwargs) if config_source else CONFIG_MAPPING[args.model_type]()
+            AutoConfig.from_pretrained(config_path, **kwargs) if config_path else CONFIG_MAPPING[args.model_type]()
         )
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=args.use_fast_tokenizer, **kwargs)
     except (OSError, ValueError) as e:
@@ -972,9 +977,10 @@ def load_config_and_tokenizer(model_args):
 
 
 def init_model(model_class, config, path, model_args, training_args, abstract):
-    """A model of `model_class` and its parameters: loaded from `path` if given, else new from `config` (abstract=True:
-    only the parameters' shapes). --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see
-    bf16_dense); float16 is upstream's model dtype. _do_init=False: the model keeps no copy of the weights."""
+    """A model of `model_class` and its parameters: loaded from `path` if given, else new from `config`, initialised
+    directly in their shards (state_shardings), so that no device holds more than its share (abstract=True: only the
+    parameters' shapes). --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is upstream's model dtype. _do_init=False: the
+    model keeps no copy of the weights."""
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     if path and not abstract:
@@ -989,7 +995,8 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     else:
         model = model_class.from_config(config, **kwargs)
         init = functools.partial(model.init_weights, model.key, model.input_shape)
-        params = jax.eval_shape(init) if abstract else init()
+        shapes, fsdp = jax.eval_shape(init), training_args.fsdp
+        params = shapes if abstract else jax.jit(init, out_shardings=state_shardings(shapes, make_mesh(fsdp), fsdp))()
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     return model, params
@@ -999,6 +1006,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
 class TrainingPlan:
     """Devices, batch sizes and step counts, settled before any long work starts."""
 
+    mesh: Any
     num_devices: int
     local_devices: int
     process_index: int
@@ -1014,6 +1022,7 @@ def plan_training(training_args, dataset, max_seq_length):
     args, devices, accumulation = training_args, jax.device_count(), training_args.gradient_accumulation_steps
     batch = f"{args.per_device_train_batch_size} per device x {devices} devices x {accumulation} accumulation steps"
     plan = TrainingPlan(
+        make_mesh(args.fsdp),
         devices,
         jax.local_device_count(),
         jax.process_index(),
@@ -1250,27 +1259,42 @@ def release_compiler_memory():
 # --- the loop's bookkeeping and logs -----------------------------------------------------------------------------
 
 
-def replicate(tree, local_devices):
-    """One copy per local device, placed by a pmap so that it carries the train step's own sharding (placed
-    otherwise, the step compiles a second time)."""
-    return jax.pmap(lambda x: x, "batch")(
-        jax.tree_util.tree_map(lambda x: np.broadcast_to(np.asarray(x), (local_devices, *np.shape(x))), tree)
-    )
+def make_mesh(fsdp):
+    """The devices as a ("replica", "fsdp") mesh, a process's devices side by side: all on "replica" for data
+    parallelism, all on "fsdp" for --fsdp full_shard, a process's on "fsdp" for hybrid_shard."""
+    devices, local = sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), jax.local_device_count()
+    shape = {"": (len(devices), 1), "full_shard": (1, len(devices)), "hybrid_shard": (len(devices) // local, local)}
+    auto = (jax.sharding.AxisType.Auto,) * 2  # transformers' Flax models do not annotate shardings
+    return jax.sharding.Mesh(np.array(devices).reshape(shape[fsdp]), ("replica", "fsdp"), axis_types=auto)
 
 
-def unreplicate(tree):
-    """The first local replica of a pmapped value, on the host; unlike flax's `jax_utils.unreplicate` (`x[0]`), also
-    on multi-host runs, where the other replicas are not addressable here."""
-    return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
+def state_shardings(state, mesh, fsdp):
+    """Where each array of `state` lives: replicated for data parallelism; with --fsdp, an array of more than 2**14
+    elements is split over the "fsdp" axis along its largest dimension that the axis divides (small ones, and ones
+    no dimension of which it divides, stay replicated)."""
+
+    def rule(x):
+        fits = [d for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]) if x.shape[d] % mesh.shape["fsdp"] == 0]
+        split = fits[0] if fsdp and fits and x.size > 2**14 else None
+        return NamedSharding(mesh, PartitionSpec(*("fsdp" if d == split else None for d in range(x.ndim))))
+
+    return jax.tree.map(rule, state)
 
 
-def device_batch(batch, plan, micro_batches=None):
-    """This process's rows of a global batch (every process collates the same one), shaped
-    [local devices, (micro-batches,) rows, ...]."""
-    groups = (plan.local_devices,) if micro_batches is None else (plan.local_devices, micro_batches)
-    rows = len(batch["input_ids"]) // jax.process_count()
-    start = plan.process_index * rows
-    return {k: v[start : start + rows].reshape(*groups, -1, *v.shape[1:]) for k, v in batch.items()}
+def global_batch(batch, plan, micro_batches=None):
+    """A global batch (every process collates the same one) as arrays sharded by rows over every device, each process
+    placing only its own rows; in training shaped [micro-batches, rows, ...]."""
+    rows = PartitionSpec(("replica", "fsdp"))
+    sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows) if micro_batches else rows)
+
+    def place(value):
+        value = value.reshape(micro_batches, -1, *value.shape[1:]) if micro_batches else value
+        share = value.shape[bool(micro_batches)] // jax.process_count()
+        start = plan.process_index * share
+        local = value[:, start : start + share] if micro_batches else value[start : start + share]
+        return jax.make_array_from_process_local_data(sharding, local, value.shape)
+
+    return {name: place(value) for name, value in batch.items()}
 
 
 @dataclass
@@ -1319,7 +1343,7 @@ def timed_step(train_step, state, batch, loop):
         loop.shapes += [shapes] if shapes not in loop.shapes else []
         return train_step(state, batch)
     loop.shapes.append(shapes)
-    try:  # FLOPs of one step on one device, as XLA counts them; some backends count none
+    try:  # FLOPs of one step over all devices, as XLA counts them; some backends count none
         loop.flops = float(train_step.lower(state, batch).cost_analysis()["flops"])
     except Exception:  # noqa: BLE001
         loop.flops = None
@@ -1335,8 +1359,8 @@ def fetch_metrics(loop, progress):
     """Bring the pending steps' metrics to the host, in order, into the log window and the run's losses; stop at
     the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's."""
     metrics = None
-    for step, device_metrics in loop.pending:
-        metrics = {k: float(v) for k, v in unreplicate(device_metrics).items()}
+    for step, step_metrics in loop.pending:
+        metrics = {k: float(v) for k, v in step_metrics.items()}
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             stop_diverged(
                 step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
@@ -1371,7 +1395,7 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
         scalars.update(tokens_per_second=tokens / seconds, seconds_per_step=seconds / steps)
         line += f" | {scalars['tokens_per_second']:,.0f} tokens/s | {seconds / steps:.3f} s/step"
     if steps and loop.flops:
-        scalars["tflops"] = loop.flops * plan.num_devices * steps / seconds / 1e12
+        scalars["tflops"] = loop.flops * steps / seconds / 1e12
         line += f" | {scalars['tflops']:.3f} TFLOP/s"
         if peak_tflops:
             scalars["mfu"] = scalars["tflops"] / (peak_tflops * plan.num_devices)
@@ -1397,7 +1421,7 @@ def train_summary(plan, progress, loop):
         "train_samples": plan.num_train_examples,
         "global_batch_size": plan.train_batch_size,
         "num_devices": plan.num_devices,
-        "total_flos": loop.flops * plan.num_devices * steps if loop.flops else None,
+        "total_flos": loop.flops * steps if loop.flops else None,
     }
     logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
     return metrics
@@ -1510,33 +1534,34 @@ def save_checkpoint(state, progress, run):
     output_dir, step = run.args.output_dir, progress.global_step
     if step in run.checkpoints.all_steps():  # a damaged one, skipped on resume
         run.checkpoints.delete(step)
-    host_state = unreplicate({"step": state.step, "params": state.params, "opt_state": state.opt_state})
-    if not all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(host_state["params"])):
+    arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state.params)):
         stop_diverged(step, "the parameters are no longer finite", progress)
     path = os.path.join(output_dir, f"checkpoint-{step}")
     last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
     last = last or "no checkpoint is complete"
     # The checkpoint and the weights in from_pretrained form; checked first: Orbax's writer threads do not stop
     # cleanly on a full disk.
-    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((host_state, host_state["params"])))
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
     free = shutil.disk_usage(output_dir).free
     if free < 1.1 * needed + (1 << 20):
         fail(
             f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
-    plan, progress_state = run.plan, {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
-    trainer_state = dict(progress_state, num_devices=plan.num_devices, objective=run.objective, data=run.data)
+    progress_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
+    trainer_state = dict(progress_state, objective=run.objective, data=run.data)
     try:
         run.checkpoints.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(host_state), trainer_state=ocp.args.JsonSave(trainer_state)
+                state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state)
             ),
             force=True,
         )
+        params = multihost_utils.process_allgather(state.params, tiled=True)  # every process takes part
         if jax.process_index() == 0:
-            save_pretrained(run.model, host_state["params"], run.tokenizer, output_dir)
+            save_pretrained(run.model, params, run.tokenizer, output_dir)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
         fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
@@ -1591,11 +1616,6 @@ def restore_checkpoint(paths, abstract_state, run):
     if changed:
         logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
         progress.batch_in_epoch = 0
-    if saved["num_devices"] != plan.num_devices:
-        logger.warning(
-            f"{path} was written on {saved['num_devices']} devices and this run has {plan.num_devices}: the same batches "
-            "and updates, but dropout draws differ (they follow the device)"
-        )
     changed = [
         f"--{k} {v} -> {run.objective.get(k)}" for k, v in saved["objective"].items() if run.objective.get(k) != v
     ]
@@ -1621,22 +1641,24 @@ def read_checkpoint(path, abstract_state):
     if missing:
         raise ValueError(f"{missing[0]} is missing")
     try:
-        stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
-        for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
-            if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
-                there = "missing" if key not in stored else tuple(stored[key].shape)
-                fail(
-                    f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
-                    "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
-                )
-        target = {"step": abstract_state.step, "params": abstract_state.params, "opt_state": abstract_state.opt_state}
-        restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
-        with quiet_closed_loop_tracebacks():
+        with quiet_closed_loop_tracebacks(), contextlib.closing(manager):
+            stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
+            for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
+                if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
+                    there = "missing" if key not in stored else tuple(stored[key].shape)
+                    fail(
+                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
+                        "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
+                    )
+            target = {
+                "step": abstract_state.step,
+                "params": abstract_state.params,
+                "opt_state": abstract_state.opt_state,
+            }
+            restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
             restored = manager.restore(step, args=restore)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds on damaged files
         raise ValueError(f"{type(e).__name__}: {first_line(e)}") from None
-    finally:
-        manager.close()
     return abstract_state.replace(**restored["state"]), restored["trainer_state"]
 
 
@@ -1647,10 +1669,12 @@ def quiet_closed_loop_tracebacks():
     real, sys.stderr, size = sys.stderr, io.StringIO(), -1
     try:
         yield
-    finally:
-        while size != len(sys.stderr.getvalue()):  # until the late ones stop
+    except Exception:
+        while size != len(sys.stderr.getvalue()):  # until the late ones stop: half a second without one
             size = len(sys.stderr.getvalue())
-            time.sleep(0.1)
+            time.sleep(0.5)
+        raise
+    finally:
         held, sys.stderr = sys.stderr.getvalue().splitlines(keepends=True), real
         noise = re.compile(r"Traceback \(most recent call last\)|asyncio|_check_closed|Event loop is closed|^\s*$")
         real.write("".join(line for line in held if not noise.search(line)))

@@ -134,6 +134,7 @@ def corpus(tmp_path_factory):
 
 
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
 def make_model_dir(out, corpus, model_type, overrides, *tokenizer_args):

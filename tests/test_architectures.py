@@ -66,7 +66,7 @@ def quick_compiles():
 
 
 def quick_compile(function, *args):
-    """The jitted or pmapped `function` compiled for `args` (with CPU_COMPILE_OPTIONS on CPU)."""
+    """The jitted `function` compiled for `args` (with CPU_COMPILE_OPTIONS on CPU)."""
     import jax
 
     return function.lower(*args).compile(CPU_COMPILE_OPTIONS if jax.default_backend() == "cpu" else None)
@@ -132,18 +132,17 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     plan = script.plan_training(training_args, {"train": rows}, length)
     collator = script.build_collator(data_args, config, tokenizer, length)
     model, state, schedule = script.build_train_state(model_args, training_args, config, plan)
-    state = script.replicate(state, plan.local_devices)
-    train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed)
+    train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed, state=state)
     metrics, compiled = [], None
     for ids in script.epoch_batches(plan.num_train_examples, plan.train_batch_size, training_args.seed, 0)[:2]:
         ids = np.sort(ids)
         batch = script.collate_batch(collator, rows[ids], (training_args.seed, 0), ids, len(ids))
-        device_rows = script.device_batch(batch, plan, training_args.gradient_accumulation_steps)
+        device_rows = script.global_batch(batch, plan, training_args.gradient_accumulation_steps)
         compiled = compiled or quick_compile(train_step, state, device_rows)
         state, step_metrics = compiled(state, device_rows)
-        metrics.append({name: float(value[0]) for name, value in step_metrics.items()})
-    assert int(script.unreplicate(state.step)) == 2
-    return model, script.unreplicate(state.params), batch, metrics
+        metrics.append({name: float(value) for name, value in step_metrics.items()})
+    assert int(state.step) == 2
+    return model, state.params, batch, metrics
 
 
 def assert_causal(script, model, params, batch, model_type):

@@ -169,3 +169,15 @@ def test_repeats_are_interleaved_with_their_spread(bench):
     assert rows[0]["repeats"] == 2 and rows[0]["step_ms_by_repeat"] == pytest.approx([300.0, 600.0])
     assert rows[0]["step_ms"] == pytest.approx(450.0) and rows[0]["step_ms_range"] == pytest.approx([300.0, 600.0])
     assert bench.per_round(rows[0], rows[1]) == "1.75x [1.50-2.00]"
+
+
+def test_fsdp_memory_divides_the_state_by_the_devices():
+    """benchmarks/fsdp_memory.py, roberta-large on 8 fake devices: replicated, every device holds the whole state
+    (parameters and two AdamW moments: 355 M x 3 x 4 bytes); with --fsdp full_shard an eighth of it plus the arrays
+    too small to split; hybrid_shard in one process is full_shard."""
+    eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    rows = json.loads(check_ok(run(["benchmarks/fsdp_memory.py"], env=eight)).stdout.splitlines()[-1])
+    whole = rows["none"]["total_mb"]
+    assert rows["none"]["per_device_mb"] == whole and 355e6 * 12 < whole * 2**20 < 356e6 * 12
+    assert whole / 8 < rows["full_shard"]["per_device_mb"] < whole / 8 * 1.01
+    assert rows["hybrid_shard"] == rows["full_shard"]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import (
     FLAX_TRAINING_SCRIPTS,
+    FOUR_DEVICES,
     ROOT,
     TWO_DEVICES,
     check_ok,
@@ -176,10 +177,11 @@ def test_trainer_compatible_logs_and_results(request, corpus, tmp_path):
 
 
 @pytest.mark.parametrize("path", [MLM, "flax/run_bart_dlm_flax.py"])
-def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_path):
-    """Multi-host data parallelism: two processes with one device each (JAX over localhost) train exactly
-    as one process with two devices: same batches, noise, dropout and updates, and the same evaluation
-    (in bf16 with two micro-batches, so that --dtype bfloat16 is also run under pmap and lax.scan). --dtype bfloat16
+def test_two_sharded_hosts_match_one_host_with_four_devices(path, request, corpus, tmp_path):
+    """Multi-host sharded training: two processes with two devices each (JAX over localhost), with --fsdp full_shard
+    (MLM) or hybrid_shard (BART), train as one data-parallel process with four devices: same batches, noise, dropout
+    and updates, and the same evaluation (in bf16 with two micro-batches, so that --dtype bfloat16 is also run
+    under the sharded step and lax.scan). --dtype bfloat16
     warns once on a CPU without bf16 instructions (LM_CPU_BF16=0), and not on one with them (LM_CPU_BF16=1).
     An encoder and an encoder-decoder: the machinery is the same text in the four scripts (test_layout.py), and
     each objective's per-row noise is checked against batch splits by the accumulation tests."""
@@ -187,7 +189,7 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
         "--do_train",
         "--do_eval",
         "--per_device_train_batch_size",
-        "4",
+        "2",
         "--gradient_accumulation_steps",
         "2",
         "--max_steps",
@@ -204,16 +206,18 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
         "bfloat16",
     ]
     single = check_ok(
-        run(flax_args(path, request, corpus, tmp_path / "single", *steps), env={**TWO_DEVICES, "LM_CPU_BF16": "0"})
+        run(flax_args(path, request, corpus, tmp_path / "single", *steps), env={**FOUR_DEVICES, "LM_CPU_BF16": "0"})
     )
     warnings = [line for line in single.stderr.splitlines() if "no bf16 instructions" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0] and "--dtype bfloat16: this CPU" in warnings[0], (
         single.stderr[-3000:]
     )
-    procs = start_two_hosts(flax_args(path, request, corpus, tmp_path / "multi", *steps), tmp_path, LM_CPU_BF16="1")
+    fsdp = ("--fsdp", "full_shard" if path == MLM else "hybrid_shard")
+    multi = flax_args(path, request, corpus, tmp_path / "multi", *steps, *fsdp)
+    procs = start_two_hosts(multi, tmp_path, LM_CPU_BF16="1", **TWO_DEVICES)
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "2 devices (1 local)" in logs[0] and not any("no bf16 instructions" in log for log in logs)
+    assert "4 devices (2 local)" in logs[0] and not any("no bf16 instructions" in log for log in logs)
     expected = logged_losses(single.stdout + single.stderr)
     assert len(expected) == 4
     for log in logs:  # every process reports the global loss
@@ -224,33 +228,33 @@ def test_two_hosts_match_one_host_with_two_devices(path, request, corpus, tmp_pa
 
 
 def start_two_hosts(args, tmp_path, **env):
-    """Two processes of one device each, joined by JAX over localhost, running a script with `args`."""
+    """Two processes (of one device each, unless `env` sets XLA_FLAGS), joined by JAX over localhost, running a
+    script with `args`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
         environment = {
-            **os.environ,
+            **{name: value for name, value in os.environ.items() if name != "XLA_FLAGS"},
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(rank),
             "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}"),
             **env,
         }
-        environment.pop("XLA_FLAGS", None)
         popen = dict(cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(subprocess.Popen([sys.executable, *args], **popen))
     return procs
 
 
 def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, corpus, tmp_path):
-    """A preemption notice reaches one process of a multi-host run: both stop after the same step, with that step's
-    checkpoint, each saying so in one line, and exit 143."""
-    out, steps = tmp_path / "multi", ["--max_steps", "200", "--save_steps", "2", "--logging_steps", "1"]
-    procs = start_two_hosts(
-        flax_args(MLM, request, corpus, out, "--do_train", "--report_to", "none", *steps), tmp_path
-    )
+    """A preemption notice reaches one process of a multi-host run sharded with --fsdp full_shard: both stop after the
+    same step, with that step's checkpoint, each saying so in one line, and exit 143; the run resumes on the same
+    hosts sharded otherwise (--fsdp hybrid_shard)."""
+    out, steps = tmp_path / "multi", ["--save_steps", "2", "--logging_steps", "1", "--report_to", "none"]
+    args = flax_args(MLM, request, corpus, out, "--do_train", "--per_device_train_batch_size", "2", *steps)
+    procs = start_two_hosts([*args, "--max_steps", "200", "--fsdp", "full_shard"], tmp_path, **TWO_DEVICES)
     deadline = time.time() + 300
     while not (out / "checkpoint-2" / "trainer_state").is_dir():
         assert all(p.poll() is None for p in procs) and time.time() < deadline, "no first checkpoint"
@@ -261,6 +265,11 @@ def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, c
     stopped = [re.search(r"stopped at step (\d+) on SIGTERM; (\S+) saved", log) for log in logs]
     assert stopped[0] and stopped[1] and stopped[0].groups() == stopped[1].groups(), logs[0][-2000:]
     assert int(stopped[0][1]) < 200 and (out / f"checkpoint-{stopped[0][1]}" / "trainer_state").is_dir()
+    resume = ["--resume_from_checkpoint", "--max_steps", str(int(stopped[0][1]) + 2), "--fsdp", "hybrid_shard"]
+    procs = start_two_hosts([*args, *resume], tmp_path, **TWO_DEVICES)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert f"Resuming at step {stopped[0][1]}" in logs[0] and len(logged_losses(logs[0])) == 2
 
 
 def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch):
