@@ -242,6 +242,7 @@ def worker_flax(spec, batches):
 
     if spec["mode"] == "flax_fsdp":  # the script's mesh and shardings; its batch rows split over the devices
         mesh = mlm.make_mesh("full_shard")
+        state = jax.tree_util.tree_map(jnp.asarray, state)  # TrainState.create leaves the step a Python int
         shardings = mlm.state_shardings(state, mesh, "full_shard")
         state = jax.device_put(state, shardings)
         step = jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
