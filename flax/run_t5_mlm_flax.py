@@ -1528,8 +1528,8 @@ def timed_step(train_step, state, batch, loop):
         loop.shapes += [shapes] if shapes not in loop.shapes else []
         return train_step(state, batch)
     loop.shapes.append(shapes)
-    try:  # FLOPs of one step over all devices, as XLA counts them; some backends count none
-        loop.flops = float(train_step.lower(state, batch).cost_analysis()["flops"])
+    try:  # FLOPs of one step over all devices, as XLA counts them (a scan's body once); some backends count none
+        loop.flops = float(train_step.lower(state, batch).cost_analysis()["flops"]) * batch["input_ids"].shape[0]
     except Exception:  # noqa: BLE001
         loop.flops = None
     started = time.perf_counter()
