@@ -13,21 +13,26 @@ VENV=${VENV:-.venv}
 VENV_XLA=${VENV_XLA:-.venv-xla}
 PY="$VENV/bin/python"
 
-# make_venv DIR REQUIREMENTS MINUTES: (re)install only when the requirements file changed.
+# make_venv DIR REQUIREMENTS MINUTES GB: (re)install only when the requirements file changed, and only with GB free.
 make_venv() {
-  local venv=$1 reqs=$2 want have
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  local venv=$1 reqs=$2 want have free
   want=$(sha256sum "$reqs" | cut -d' ' -f1)
   have=$(cat "$venv/.requirements.sha256" 2>/dev/null || true)
   if [ "$want" != "$have" ]; then
+    free=$(( $(df -Pk . | awk 'NR == 2 {print $4}') / 1048576 ))
+    if [ "$free" -lt "$4" ]; then
+      echo "run.sh: installing $reqs into $venv needs about $4 GB of free disk; $free GB left here: free some space" >&2
+      exit 1
+    fi
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     echo "Installing $reqs into $venv (about $3 minutes the first time) ..."
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$reqs"
     "$venv/bin/python" -m pip check
     echo "$want" > "$venv/.requirements.sha256"
   fi
 }
-setup() { make_venv "$VENV" requirements.txt 2; }
-setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3; }
+setup() { make_venv "$VENV" requirements.txt 2 6; }
+setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3 10; }
 
 main_job() {
   local data=data/ptb out=out/main

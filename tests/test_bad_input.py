@@ -352,6 +352,24 @@ def test_disk_full_while_checkpointing(request, corpus, tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
+    """run.sh refuses to install into a 4 MB disk before pip starts: one line, and no half-made environment."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True)
+    try:
+        for name in ("run.sh", "requirements.txt"):
+            shutil.copy(f"{ROOT}/{name}", disk / name)
+        result = subprocess.run(["bash", "run.sh", "setup"], cwd=disk, capture_output=True, text=True)
+        assert result.returncode == 1 and result.stdout == "", result
+        assert result.stderr.splitlines() == [
+            "run.sh: installing requirements.txt into .venv needs about 6 GB of free disk; 0 GB left here: free some space"
+        ]
+        assert not (disk / ".venv").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
     errors(
         (mlm(request, corpus, tmp_path / "a", "--learning_rate=-1e-3"), "--learning_rate must be positive"),
