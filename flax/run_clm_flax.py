@@ -24,6 +24,8 @@ Differs from upstream:
 - One `jax.jit` step over a device mesh instead of `pmap`: data parallel, or with `--fsdp full_shard` (or
   `hybrid_shard`: within each process) parameters, gradients and Adam state sharded; checkpoints restore on any mesh.
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
+- `--streaming`: the data read, tokenized and shuffled (windows of `--shuffle_buffer_size`) as training goes, each
+  process its own share, on a thread beside the step; resumes exactly too.
 """
 
 import atexit
@@ -37,19 +39,21 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, fields
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,7 @@ import optax
 import orbax.checkpoint as ocp
 import transformers
 from datasets import load_dataset
+from datasets.distributed import split_dataset_by_node
 from etils import epath
 from flax.training import train_state
 from jax import lax
@@ -161,7 +166,13 @@ class DataArguments:
     validation_split_percentage: int | None = arg(5, "Percent of train held out without a validation split.")
     preprocessing_num_workers: int | None = arg(None, "The number of processes to use for the preprocessing.")
     max_train_samples: int | None = arg(None, "Use at most this many training rows.")
-    max_eval_samples: int | None = arg(None, "Use at most this many evaluation rows.")
+    max_eval_samples: int | None = arg(
+        None, "Use at most this many evaluation rows (with --streaming: 1000 by default)."
+    )
+    streaming: bool = arg(
+        False, "Read, tokenize and shuffle the data as training goes, never all of it (needs --max_steps)."
+    )
+    shuffle_buffer_size: int = arg(10000, "With --streaming: rows shuffled together, a window of this many at a time.")
     dump_noised_examples: int | None = arg(None, "Write N training rows as the step sees them to output_dir and exit.")
 
 
@@ -462,26 +473,22 @@ def train(state, train_step, run, progress):
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
     plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
-    STOP["training"], first_batch = True, progress.batch_in_epoch
+    streamed, STOP["training"] = isinstance(run.dataset["train"], datasets.IterableDataset), True
     with bar:  # closed before an error line
-        for epoch in range(progress.epoch, plan.num_epochs):
-            batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, args.seed, epoch)
-            for index in range(first_batch if epoch == progress.epoch else 0, len(batches)):
-                if progress.global_step >= plan.total_steps:
-                    break
-                rows = np.sort(batches[index])
-                batch = collate_batch(run.collator, run.dataset["train"][rows], (args.seed, epoch), rows, len(rows))
-                batch = global_batch(batch, plan, args.gradient_accumulation_steps)
-                state, metrics = timed_step(train_step, state, batch, loop)
-                progress.global_step += 1
-                progress.epoch, progress.batch_in_epoch = (
-                    (epoch, index + 1) if index + 1 < len(batches) else (epoch + 1, 0)
-                )
-                loop.pending.append((progress.global_step, metrics))
-                bar.update(1)
-                logged = after_step(state, run, progress, loop, end_of_epoch=index == len(batches) - 1)
-                if logged:
-                    bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
+        for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
+            batch = collate_batch(run.collator, examples, seed, rows, len(rows))
+            batch = common_shapes(batch, run.tokenizer.pad_token_id) if streamed else batch
+            batch = global_batch(batch, plan, args.gradient_accumulation_steps, local=streamed)
+            state, metrics = timed_step(train_step, state, batch, loop)
+            progress.global_step += 1
+            progress.epoch, progress.batch_in_epoch, progress.stream = position
+            loop.pending.append((progress.global_step, metrics))
+            bar.update(1)
+            logged = after_step(state, run, progress, loop, end_of_epoch)
+            if logged:
+                bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
+            if progress.global_step >= plan.total_steps:
+                break
     STOP["training"] = False
     return state, train_summary(plan, progress, loop), loop.last_eval
 
@@ -622,7 +629,7 @@ RANGES = (
         "positive",
         "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps "
         "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
-        "dump_noised_examples",
+        "dump_noised_examples shuffle_buffer_size",
     ),
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
@@ -653,12 +660,18 @@ def validate_args(model_args, data_args, training_args):
     for flag, path in files.items():
         if path is not None:
             check_data_file(flag, path)
-    args, data, kind = training_args, data_args, model_args.model_type
+    args, data, kind, streamed = training_args, data_args, model_args.model_type, data_args.streaming
     extensions = sorted({os.path.splitext(p)[1] for p in files.values() if p})
     for refused, message in (
         (not (data.dataset_name or any(files.values())), "need --dataset_name or --train_file/--validation_file"),
         (len(extensions) > 1, f"--train_file and --validation_file need the same extension, got {extensions}"),
         (data.dump_noised_examples and not args.do_train, "--dump_noised_examples needs --do_train (training rows)"),
+        (streamed and data.dump_noised_examples, "--dump_noised_examples works in memory: leave out --streaming"),
+        (streamed and args.do_train and args.max_steps <= 0, "--streaming needs --max_steps: a stream has no length"),
+        (
+            streamed and args.do_eval and data.train_file and not data.validation_file,
+            "--streaming with --do_eval needs --validation_file: a stream cannot be split by percentage",
+        ),
         (not args.do_train and not args.do_eval, "nothing to do: pass --do_train and/or --do_eval"),
         (max(args.max_steps, args.num_train_epochs) <= 0, "--num_train_epochs must be positive, or give --max_steps"),
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
@@ -793,8 +806,8 @@ def stop_requested():
 
 def load_raw_datasets(model_args, data_args):
     """The train and validation splits, from the hub or local files; without a validation split,
-    --validation_split_percentage of train."""
-    kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    --validation_split_percentage of train. --streaming: streams, this process's share of train only."""
+    kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, streaming=data_args.streaming)
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     if data_args.dataset_name is not None:
         load = functools.partial(
@@ -813,7 +826,11 @@ def load_raw_datasets(model_args, data_args):
     pct = data_args.validation_split_percentage
     try:
         raw = load()
-        if "validation" not in raw.keys() and "train" in raw.keys():
+        if data_args.streaming:  # the features a stream leaves unknown are read from its first rows
+            raw = StreamingSplits({name: split._resolve_features() for name, split in raw.items()})
+            if "train" in raw:
+                raw["train"] = split_dataset_by_node(raw["train"], jax.process_index(), jax.process_count())
+        elif "validation" not in raw.keys() and "train" in raw.keys():
             if round(len(raw["train"]) * pct / 100) == 0:
                 fail(
                     f"{source} is too short to split {pct} % off for validation (it has {len(raw['train'])} examples); "
@@ -823,6 +840,14 @@ def load_raw_datasets(model_args, data_args):
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
         fail(f"cannot load dataset {source!r}: {type(e).__name__}: {first_line(e)}")
     return raw
+
+
+class StreamingSplits(dict):
+    """Streamed splits under the calls preprocess() makes: map() leaves out what only works in memory."""
+
+    def map(self, function, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("desc", "num_proc", "load_from_cache_file")}
+        return StreamingSplits({name: split.map(function, **kwargs) for name, split in self.items()})
 
 
 def text_column(raw_datasets, data_args):
@@ -843,7 +868,7 @@ def text_column(raw_datasets, data_args):
 def group_texts(examples, block_size):
     """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch shorter than one
     block is kept whole), exactly as upstream but in linear time."""
-    concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
+    concatenated = {k: list(itertools.chain.from_iterable(examples[k])) for k in examples.keys()}
     total_length = len(concatenated[list(examples.keys())[0]])
     if total_length >= block_size:
         total_length = (total_length // block_size) * block_size
@@ -858,7 +883,8 @@ def objective_settings(data_args):
 
 def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
     """What a saved data position means: the train files (size, and a hash of their first and last MiB), the dataset,
-    the tokenizer, the sequence length, the training rows, the seed and the global batch; checkpoints record it."""
+    the tokenizer, the sequence length, the training rows, how a stream is read, the seed and the global batch;
+    checkpoints record it."""
     files = {}
     for path in [data_args.train_file] if data_args.train_file else []:
         with open(path, "rb") as f:
@@ -872,14 +898,24 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
         "dataset": f"{data_args.dataset_name} {data_args.dataset_config_name}" if data_args.dataset_name else None,
         "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest()[:12],
         LENGTH_FLAG: max_seq_length,
-        "train_rows": plan.num_train_examples,
+        "train_rows": data_args.max_train_samples if data_args.streaming else plan.num_train_examples,
+        "streams": jax.process_count() if data_args.streaming else None,  # one share of the stream each
+        "shuffle_buffer_size": data_args.shuffle_buffer_size if data_args.streaming else None,
         "seed": seed,
         "train_batch_size": plan.train_batch_size,
     }
 
 
 def select_samples(dataset, data_args):
-    """At most --max_train_samples / --max_eval_samples rows of each split."""
+    """At most --max_train_samples / --max_eval_samples rows of each split. Streamed: this process's share of
+    --max_train_samples, and the first --max_eval_samples (1000) evaluation rows, read now: the same every time."""
+    if data_args.streaming:
+        if "train" in dataset and data_args.max_train_samples:
+            dataset["train"] = dataset["train"].take(data_args.max_train_samples // jax.process_count())
+        if "validation" in dataset:
+            rows = itertools.islice(dataset["validation"], data_args.max_eval_samples or 1000)
+            dataset["validation"] = datasets.Dataset.from_list(list(rows))
+        return dataset
     for split, limit in (("train", data_args.max_train_samples), ("validation", data_args.max_eval_samples)):
         if limit is not None and split in dataset:
             dataset[split] = dataset[split].select(range(min(limit, len(dataset[split]))))
@@ -905,6 +941,97 @@ def generate_batch_splits(samples_idx, batch_size, drop_last=True):
 def epoch_batches(num_examples, batch_size, seed, epoch):
     """The example indices of every full batch of an epoch: a permutation drawn from (seed, epoch) alone."""
     return generate_batch_splits(np.random.default_rng([seed, epoch]).permutation(num_examples), batch_size)
+
+
+def epoch_rows(run, progress):
+    """In memory: the training batches from `progress` on, each epoch's a permutation drawn from (seed, epoch). Yields
+    each batch's examples, noise seed, row ids, the position after it (epoch, batch, None) and whether it ends its
+    epoch."""
+    plan, seed = run.plan, run.args.seed
+    for epoch in range(progress.epoch, plan.num_epochs):
+        batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, epoch)
+        for index in range(progress.batch_in_epoch if epoch == progress.epoch else 0, len(batches)):
+            rows, last = np.sort(batches[index]), index + 1 == len(batches)
+            yield run.dataset["train"][rows], (seed, epoch), rows, (epoch + last, 0 if last else index + 1, None), last
+
+
+def stream_rows(run, progress):
+    """Streamed: this process's rows of each global batch, from `progress` on, read ahead on a thread
+    (stream_windows). Yields as epoch_rows does; the position is (pass, 0, where in the stream: the window, the
+    stream's state at its start and the rows taken from it). A pass's rows short of a batch are dropped."""
+    plan, args, processes = run.plan, run.args, jax.process_count()
+    need, size = plan.train_batch_size // processes, run.data["shuffle_buffer_size"]
+    position = progress.stream or {"pass": 0, "window": 0, "state": None, "taken": 0}
+    taken, examples, ids = position["taken"], [], []
+    for window, start in read_ahead(stream_windows(run.dataset["train"], position, size, args.seed)):
+        if window is None:  # the pass ended after start["rows"] rows
+            if start["rows"] < need:
+                fail(f"the training stream has {start['rows']} rows, fewer than this process's {need} of one batch")
+            limit = run.data["train_rows"]
+            short = f", fewer than --max_train_samples {limit}" if limit and start["rows"] * processes < limit else ""
+            logger.info(f"pass {start['pass'] + 1} over the training stream ended after {start['rows']} rows{short}")
+            examples, ids = [], []
+            continue
+        for taken in range(taken, len(window)):
+            examples.append(window[taken])
+            ids.append((start["window"] * size + taken) * processes + plan.process_index)
+            if len(examples) == need:
+                where = {**start, "taken": taken + 1}
+                batch = {k: [example[k] for example in examples] for k in examples[0]}
+                yield batch, (args.seed, start["pass"]), np.array(ids), (start["pass"], 0, where), False
+                examples, ids = [], []
+        taken = 0
+
+
+def stream_windows(dataset, position, size, seed):
+    """The stream from `position` on, pass after pass, in windows of `size` rows, each shuffled by (seed, pass,
+    window): yields (rows, their start: pass, window and the stream's state before it), and (None, {pass, rows})
+    where a pass ends. datasets' own shuffle buffer is not restored by its state_dict; a window is rebuilt."""
+    epoch, index, state = position["pass"], position["window"], position["state"]
+    while True:
+        dataset.load_state_dict(state)  # None: from the start
+        rows, count = iter(dataset), 0
+        while window := list(itertools.islice(rows, size)):
+            order = np.random.default_rng([seed, epoch, index]).permutation(len(window))
+            yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
+            index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
+        yield None, {"pass": epoch, "rows": count}
+        epoch, index, state = epoch + 1, 0, None
+
+
+def read_ahead(iterator, depth=1):
+    """`iterator`'s items, each made on a thread while the one before is used (reading and tokenizing beside the
+    train step); an error there is raised here."""
+    ready = queue.Queue(depth)
+
+    def work():
+        try:
+            for item in iterator:
+                ready.put((item, None))
+        except BaseException as e:  # noqa: BLE001 - fail()'s SystemExit too: raised in the main thread
+            ready.put((None, e))
+
+    threading.Thread(target=work, daemon=True).start()
+    while True:
+        item, error = ready.get()
+        if error is not None:
+            raise error
+        yield item
+
+
+def common_shapes(batch, pad_token_id):
+    """Streamed over several processes each collates its own rows: every array padded to the largest shape any
+    process has (labels with -100, token ids with the pad token, masks and positions with 0)."""
+    if jax.process_count() == 1:
+        return batch
+    dims = np.concatenate([np.asarray(value.shape[1:], np.int32) for value in batch.values()])
+    most, padded = np.max(multihost_utils.process_allgather(dims), axis=0), {}
+    for name, value in batch.items():
+        target, most = most[: value.ndim - 1], most[value.ndim - 1 :]
+        fill = -100 if name == "labels" else (pad_token_id or 0) if name.endswith("input_ids") else 0
+        widths = [(0, 0)] + [(0, int(t) - d) for t, d in zip(target, value.shape[1:], strict=True)]
+        padded[name] = np.pad(value, widths, constant_values=fill)
+    return padded
 
 
 def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
@@ -1033,8 +1160,10 @@ def plan_training(training_args, dataset, max_seq_length):
         fail("the validation set is empty after tokenization; give a longer --validation_file")
     if not args.do_train:
         return plan
-    plan.num_train_examples = len(dataset["train"])
-    plan.steps_per_epoch = plan.num_train_examples // plan.train_batch_size
+    streamed = isinstance(dataset["train"], datasets.IterableDataset)
+    plan.num_train_examples = 0 if streamed else len(dataset["train"])
+    # A stream has no length: its epoch, as the Trainer counts one, is the share of --max_steps done.
+    plan.steps_per_epoch = args.max_steps if streamed else plan.num_train_examples // plan.train_batch_size
     if plan.steps_per_epoch == 0:
         fail(
             f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one global "
@@ -1054,7 +1183,7 @@ def plan_training(training_args, dataset, max_seq_length):
             f"{args.learning_rate:g}"
         )
     logger.info(
-        f"***** Running training *****\n  Num examples = {plan.num_train_examples}\n  Num epochs = {plan.num_epochs}\n"
+        f"***** Running training *****\n  Num examples = {plan.num_train_examples or 'streamed'}\n  Num epochs = {plan.num_epochs}\n"
         f"  Global batch size = {plan.train_batch_size} ({batch})\n  Total optimization steps = {plan.total_steps}"
     )
     return plan
@@ -1281,18 +1410,23 @@ def state_shardings(state, mesh, fsdp):
     return jax.tree.map(rule, state)
 
 
-def global_batch(batch, plan, micro_batches=None):
-    """A global batch (every process collates the same one) as arrays sharded by rows over every device, each process
-    placing only its own rows; in training shaped [micro-batches, rows, ...]."""
+def global_batch(batch, plan, micro_batches=None, local=False):
+    """A global batch as arrays sharded by rows over every device, each process placing only its own rows: from the
+    whole batch, which every process collates, or (local) from the rows this process collated; in training shaped
+    [micro-batches, rows, ...]."""
     rows = PartitionSpec(("replica", "fsdp"))
     sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows) if micro_batches else rows)
 
     def place(value):
+        axis = int(bool(micro_batches))
         value = value.reshape(micro_batches, -1, *value.shape[1:]) if micro_batches else value
-        share = value.shape[bool(micro_batches)] // jax.process_count()
+        if local:
+            shape = (*value.shape[:axis], value.shape[axis] * jax.process_count(), *value.shape[axis + 1 :])
+            return jax.make_array_from_process_local_data(sharding, value, shape)
+        share = value.shape[axis] // jax.process_count()
         start = plan.process_index * share
-        local = value[:, start : start + share] if micro_batches else value[start : start + share]
-        return jax.make_array_from_process_local_data(sharding, local, value.shape)
+        mine = value[:, start : start + share] if micro_batches else value[start : start + share]
+        return jax.make_array_from_process_local_data(sharding, mine, value.shape)
 
     return {name: place(value) for name, value in batch.items()}
 
@@ -1305,6 +1439,7 @@ class TrainingProgress:
     epoch: int = 0
     batch_in_epoch: int = 0  # the next batch of `epoch` to train on
     log_window: list = field(default_factory=list)  # the objective's metrics of each step since the last log line
+    stream: dict | None = None  # streamed: where this process is in its share (see stream_rows)
     last_checkpoint: str | None = None
 
 
@@ -1550,6 +1685,7 @@ def save_checkpoint(state, progress, run):
             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
     progress_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
+    progress_state["stream"] = progress.stream and gather_json(progress.stream)  # every process's position
     trainer_state = dict(progress_state, objective=run.objective, data=run.data)
     try:
         run.checkpoints.save(
@@ -1572,6 +1708,14 @@ def save_checkpoint(state, progress, run):
             commit_message=message, folder_path=output_dir, repo_id=repo_id, repo_type="model", token=token
         )
     return path
+
+
+def gather_json(value):
+    """Every process's `value` (JSON-serialisable), in process order."""
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
+    rows = multihost_utils.process_allgather(np.pad(data, (0, size - len(data)), constant_values=ord(" ")))
+    return [json.loads(bytes(row)) for row in rows]
 
 
 def save_pretrained(model, params, tokenizer, output_dir):
@@ -1613,9 +1757,10 @@ def restore_checkpoint(paths, abstract_state, run):
             f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
             "data, tokenizer, length, seed and global batch that wrote it, or add --ignore_data_skip to start its epoch afresh"
         )
+    progress.stream = saved.get("stream") and saved["stream"][plan.process_index]
     if changed:
         logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
-        progress.batch_in_epoch = 0
+        progress.batch_in_epoch, progress.stream = 0, None
     changed = [
         f"--{k} {v} -> {run.objective.get(k)}" for k, v in saved["objective"].items() if run.objective.get(k) != v
     ]

@@ -257,6 +257,7 @@ LONGEST_FIRST = (
     "test_tensorflow.py",
     "test_flax_training.py",
     "test_benchmark_end_to_end.py",
+    "test_streaming.py",
     "test_bf16.py",
     "test_pytorch_run_mlm.py",
     "test_benchmark.py",

@@ -1,0 +1,121 @@
+"""--streaming in the four Flax training scripts: a run killed after a checkpoint resumes bit for bit, passes and
+windows included; two processes read disjoint shares that together are what one process reads; the refusals."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+from conftest import FLAX_TRAINING_SCRIPTS, check_ok, error_line, flax_args, kill_after_first_checkpoint, run
+from test_flax_training import start_two_hosts
+
+# Windows of 24 rows and passes of 44 rows (5 global batches of 8): the checkpoint at step 4 sits inside the second
+# window, and the run crosses a window boundary inside a batch and two ends of the stream.
+STREAMED = [
+    "--do_train",
+    "--streaming",
+    "--shuffle_buffer_size",
+    "24",
+    "--max_train_samples",
+    "44",
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--max_steps",
+    "24",
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "4",
+    "--learning_rate",
+    "1e-3",
+    "--report_to",
+    "none",
+]
+
+
+@pytest.mark.parametrize("path", FLAX_TRAINING_SCRIPTS)
+def test_a_streamed_run_killed_after_a_checkpoint_resumes_bit_for_bit(request, corpus, tmp_path, path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    result = check_ok(run(flax_args(path, request, corpus, full, *STREAMED)))
+    log = result.stdout + result.stderr
+    assert log.count("over the training stream ended after 44 rows") >= 2, log[-3000:]
+    kill_after_first_checkpoint(flax_args(path, request, corpus, killed, *STREAMED), killed)
+    result = check_ok(run(flax_args(path, request, corpus, killed, *STREAMED, "--resume_from_checkpoint")))
+    resumed = result.stdout + result.stderr
+    steps = [line.split(" (")[0] for line in resumed.splitlines() if line.startswith("Step ")]
+    assert steps and steps[-1] == "Step 24/24", resumed[-3000:]
+    after = [line.split(" | lr")[0] for line in resumed.splitlines() if line.startswith("Step ")]
+    assert all(line in log for line in after), (after, log[-3000:])
+    model = "flax_model.msgpack"
+    assert (full / model).read_bytes() == (killed / model).read_bytes()
+    if path != "flax/run_clm_flax.py":  # the same machinery in all four: one refusal is enough
+        return
+    # The position means nothing in memory: one line.
+    no_stream = [arg for arg in STREAMED if arg != "--streaming"]
+    line = error_line(
+        run(flax_args(path, request, corpus, killed, *no_stream, "--resume_from_checkpoint")), os.path.basename(path)
+    )
+    assert "was written for other data (" in line and "streams 1 -> None" in line, line
+
+
+# Run with a Flax script's arguments, printing each training batch's rows (their token ids, before noise) as a line.
+ROWS_REPORT = """
+import json, sys
+sys.path.insert(0, "tests")
+from conftest import load_script
+
+script = load_script(sys.argv[1], "streamed")
+collate = script.collate_batch
+
+def recording(collator, examples, seed, rows, num_rows):
+    print("ROWS " + json.dumps(examples["input_ids"]), flush=True)
+    return collate(collator, examples, seed, rows, num_rows)
+
+script.collate_batch = recording
+script.main(sys.argv[2:])
+"""
+
+
+def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, corpus, tmp_path):
+    """64 distinct lines, one row each (--line_by_line), 8 steps of 8 rows: one process trains on all of them; each of
+    two processes on 32 of them, none on the other's; line lengths differ, so each step the two pad to one shape."""
+    lines = list(dict.fromkeys(line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()))
+    (tmp_path / "lines.txt").write_text("\n".join(lines[:64]) + "\n")
+    args = flax_args("flax/run_mlm_flax.py", request, corpus, tmp_path / "one", *STREAMED[:4], "--line_by_line")
+    args[args.index("--train_file") + 1] = str(tmp_path / "lines.txt")
+    args += ["--per_device_train_batch_size", "8", "--max_steps", "8", "--save_steps", "8", "--report_to", "none"]
+
+    def rows(log):  # process 0's lines may follow its progress bar's
+        return [tuple(row) for batch in re.findall(r"ROWS (\[\[.*?\]\])", log) for row in json.loads(batch)]
+
+    one = rows(check_ok(run(["-c", ROWS_REPORT, *args])).stdout)
+    args[args.index("--output_dir") + 1] = str(tmp_path / "two")
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    procs = start_two_hosts(["-c", ROWS_REPORT, *args], tmp_path)
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    first, second = rows(logs[0]), rows(logs[1])
+    assert len(one) == 64 and len(set(one)) == 64
+    assert len(first) == len(second) == 32 and not set(first) & set(second)
+    assert sorted(first + second) == sorted(one)
+    assert len({len(row) for row in first}) > 1
+
+
+def test_streaming_refusals(request, corpus, tmp_path):
+    out = tmp_path / "out"
+    cases = (
+        (["--do_train", "--streaming"], "--streaming needs --max_steps"),
+        (["--do_eval", "--streaming", "--max_steps", "4"], "--streaming with --do_eval needs --validation_file"),
+        (["--do_train", "--streaming", "--max_steps", "4", "--dump_noised_examples", "2"], "leave out --streaming"),
+        (["--do_train", "--streaming", "--max_steps", "4", "--shuffle_buffer_size", "0"], "must be positive"),
+    )
+    for extra, fragment in cases:
+        args = flax_args("flax/run_clm_flax.py", request, corpus, out, *extra)
+        if "--do_eval" in extra:
+            at = args.index("--validation_file")
+            del args[at : at + 2]
+        assert fragment in error_line(run(args), "run_clm_flax.py")
+    assert not os.path.exists(out) or shutil.rmtree(out)
