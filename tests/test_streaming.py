@@ -81,7 +81,8 @@ script.main(sys.argv[2:])
 
 def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, corpus, tmp_path):
     """64 distinct lines, one row each (--line_by_line), 8 steps of 8 rows: one process trains on all of them; each of
-    two processes on 32 of them, none on the other's; line lengths differ, so each step the two pad to one shape."""
+    two processes on 32 of them, none on the other's (line lengths differ, so each step the two pad to one shape).
+    Resumed on two processes at step 8, each goes on in its own share as the uninterrupted run did."""
     lines = list(dict.fromkeys(line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()))
     (tmp_path / "lines.txt").write_text("\n".join(lines[:64]) + "\n")
     args = flax_args("flax/run_mlm_flax.py", request, corpus, tmp_path / "one", *STREAMED[:4], "--line_by_line")
@@ -91,17 +92,23 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
     def rows(log):  # process 0's lines may follow its progress bar's
         return [tuple(row) for batch in re.findall(r"ROWS (\[\[.*?\]\])", log) for row in json.loads(batch)]
 
+    def on_two_hosts(output_dir, *extra):
+        args[args.index("--output_dir") + 1] = str(output_dir)
+        procs = start_two_hosts(["-c", ROWS_REPORT, *args, *extra], tmp_path)
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+        return [rows(log) for log in logs]
+
     one = rows(check_ok(run(["-c", ROWS_REPORT, *args])).stdout)
-    args[args.index("--output_dir") + 1] = str(tmp_path / "two")
     args[args.index("--per_device_train_batch_size") + 1] = "4"
-    procs = start_two_hosts(["-c", ROWS_REPORT, *args], tmp_path)
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    first, second = rows(logs[0]), rows(logs[1])
+    args[args.index("--max_steps") + 1] = "12"
+    first, second = on_two_hosts(tmp_path / "two")
     assert len(one) == 64 and len(set(one)) == 64
-    assert len(first) == len(second) == 32 and not set(first) & set(second)
-    assert sorted(first + second) == sorted(one)
+    assert len(first) == len(second) == 48 and not set(first[:32]) & set(second[:32])
+    assert sorted(first[:32] + second[:32]) == sorted(one)
     assert len({len(row) for row in first}) > 1
+    shutil.copytree(tmp_path / "two" / "checkpoint-8", tmp_path / "resumed" / "checkpoint-8")
+    assert on_two_hosts(tmp_path / "resumed", "--resume_from_checkpoint") == [first[32:], second[32:]]
 
 
 def test_streaming_refusals(request, corpus, tmp_path):
