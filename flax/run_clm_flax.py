@@ -659,7 +659,7 @@ def validate_args(model_args, data_args, training_args):
     files = {"--train_file": data_args.train_file, "--validation_file": data_args.validation_file}
     for flag, path in files.items():
         if path is not None:
-            check_data_file(flag, path)
+            check_data_file(flag, path, whole=not data_args.streaming)
     args, data, kind, streamed = training_args, data_args, model_args.model_type, data_args.streaming
     extensions = sorted({os.path.splitext(p)[1] for p in files.values() if p})
     for refused, message in (
@@ -689,9 +689,10 @@ def validate_args(model_args, data_args, training_args):
                 fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
 
 
-def check_data_file(flag, path):
+def check_data_file(flag, path, whole=True):
     """A file (not a folder) of a supported extension, not empty, and UTF-8 text (for other bytes the datasets
-    loader says only that generating the dataset failed)."""
+    loader says only that generating the dataset failed); not whole (streamed): its first MiB, the rest as it is read
+    (stream_windows)."""
     extension = path.split(".")[-1]
     if os.path.isdir(path):
         fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
@@ -712,6 +713,8 @@ def check_data_file(flag, path):
                     "e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(b"\n")
+            if not whole:
+                break
     if empty:
         fail(f"{flag} {path} is empty")
 
@@ -991,10 +994,13 @@ def stream_windows(dataset, position, size, seed):
     while True:
         dataset.load_state_dict(state)  # None: from the start
         rows, count = iter(dataset), 0
-        while window := list(itertools.islice(rows, size)):
-            order = np.random.default_rng([seed, epoch, index]).permutation(len(window))
-            yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
-            index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
+        try:
+            while window := list(itertools.islice(rows, size)):
+                order = np.random.default_rng([seed, epoch, index]).permutation(len(window))
+                yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
+                index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
+        except UnicodeDecodeError as e:
+            fail(f"the training stream is not UTF-8 text ({e}); convert it (e.g. iconv -f latin1 -t utf-8) and resume")
         yield None, {"pass": epoch, "rows": count}
         epoch, index, state = epoch + 1, 0, None
 
