@@ -370,6 +370,22 @@ def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
+    """--streaming without --max_steps, evaluating without --validation_file (a stream has no percentage to split
+    off), with --dump_noised_examples (in memory only), with windows of 0 rows: one line each, nothing written."""
+    out, train = tmp_path / "out", corpus / "train_slice.txt"
+    errors(
+        (mlm(request, corpus, out, "--streaming", "--max_steps", "-1"), "--streaming needs --max_steps"),
+        (mlm(request, corpus, out, "--streaming", train=train), "--streaming with --do_eval needs --validation_file"),
+        (mlm(request, corpus, out, "--streaming", "--dump_noised_examples", "2"), "leave out --streaming"),
+        (
+            mlm(request, corpus, out, "--streaming", "--shuffle_buffer_size", "0"),
+            "--shuffle_buffer_size must be positive",
+        ),
+    )
+    assert not out.exists()
+
+
 def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
     errors(
         (mlm(request, corpus, tmp_path / "a", "--learning_rate=-1e-3"), "--learning_rate must be positive"),

@@ -1,5 +1,6 @@
 """--streaming in the four Flax training scripts: a run killed after a checkpoint resumes bit for bit, passes and
-windows included; two processes read disjoint shares that together are what one process reads; the refusals."""
+windows included; two processes read disjoint shares that together are what one process reads (its refusals are in
+test_bad_input.py)."""
 
 import json
 import re
@@ -112,20 +113,3 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
     assert len({len(row) for row in first}) > 1
     shutil.copytree(tmp_path / "two" / "checkpoint-8", tmp_path / "resumed" / "checkpoint-8")
     assert on_two_hosts(tmp_path / "resumed", "--resume_from_checkpoint") == [first[32:], second[32:]]
-
-
-def test_streaming_refusals(request, corpus, tmp_path):
-    out = tmp_path / "out"
-    cases = (
-        (["--do_train", "--streaming"], "--streaming needs --max_steps"),
-        (["--do_eval", "--streaming", "--max_steps", "4"], "--streaming with --do_eval needs --validation_file"),
-        (["--do_train", "--streaming", "--max_steps", "4", "--dump_noised_examples", "2"], "leave out --streaming"),
-        (["--do_train", "--streaming", "--max_steps", "4", "--shuffle_buffer_size", "0"], "must be positive"),
-    )
-    for extra, fragment in cases:
-        args = flax_args("flax/run_clm_flax.py", request, corpus, out, *extra)
-        if "--do_eval" in extra:
-            at = args.index("--validation_file")
-            del args[at : at + 2]
-        assert fragment in error_line(run(args), "run_clm_flax.py")
-    assert not out.exists()  # every refusal came before anything was written
