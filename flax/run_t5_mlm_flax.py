@@ -866,6 +866,10 @@ def validate_args(model_args, data_args, training_args):
         if refused:
             fail(message)
     validate_objective(data_args)
+    unused = ("preprocessing_num_workers", "overwrite_cache") if streamed else ("shuffle_buffer_size",)
+    unused = [f"--{f.name}" for f in fields(DataArguments) if f.name in unused and getattr(data, f.name) != f.default]
+    if unused:
+        logger.warning(f"{', '.join(unused)}: no effect {'with' if streamed else 'without'} --streaming")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)
