@@ -1011,22 +1011,34 @@ def stream_windows(dataset, position, size, seed):
 
 def read_ahead(iterator, depth=1):
     """`iterator`'s items, each made on a thread while the one before is used (reading and tokenizing beside the
-    train step); an error there is raised here."""
-    ready = queue.Queue(depth)
+    train step); an error there is raised here. Closed, it ends the thread."""
+    ready, dropped = queue.Queue(depth), threading.Event()
+
+    def put(entry):
+        while not dropped.is_set():
+            with contextlib.suppress(queue.Full):
+                return ready.put(entry, timeout=0.1)
 
     def work():
         try:
             for item in iterator:
-                ready.put((item, None))
+                if dropped.is_set():
+                    return
+                put((item, None))
         except BaseException as e:  # noqa: BLE001 - fail()'s SystemExit too: raised in the main thread
-            ready.put((None, e))
+            put((None, e))
 
-    threading.Thread(target=work, daemon=True).start()
-    while True:
-        item, error = ready.get()
-        if error is not None:
-            raise error
-        yield item
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            yield item
+    finally:  # the item in the making is finished first: native code running at exit would abort the process
+        dropped.set()
+        thread.join()
 
 
 def common_shapes(batch, pad_token_id):

@@ -2,12 +2,23 @@
 windows included; two processes read disjoint shares that together are what one process reads (its refusals are in
 test_bad_input.py)."""
 
+import itertools
 import json
 import re
 import shutil
+import threading
+import time
 
 import pytest
-from conftest import FLAX_TRAINING_SCRIPTS, check_ok, error_line, flax_args, kill_after_first_checkpoint, run
+from conftest import (
+    FLAX_TRAINING_SCRIPTS,
+    check_ok,
+    error_line,
+    flax_args,
+    kill_after_first_checkpoint,
+    load_script,
+    run,
+)
 from test_flax_training import start_two_hosts
 
 MLM = "flax/run_mlm_flax.py"
@@ -113,3 +124,17 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
     assert len({len(row) for row in first}) > 1
     shutil.copytree(tmp_path / "two" / "checkpoint-8", tmp_path / "resumed" / "checkpoint-8")
     assert on_two_hosts(tmp_path / "resumed", "--resume_from_checkpoint") == [first[32:], second[32:]]
+
+
+def test_read_ahead_ends_its_thread_when_training_stops_reading():
+    """Training stops reading the stream at --max_steps: the read-ahead thread ends with it, leaving no thread that
+    holds a window and the file open in a process that calls main() again."""
+    script, before = load_script(MLM, "streaming_run_mlm_flax"), set(threading.enumerate())
+    windows = script.read_ahead(itertools.count())
+    assert [next(windows), next(windows)] == [0, 1]
+    windows.close()
+    for _ in range(50):
+        if set(threading.enumerate()) <= before:
+            break
+        time.sleep(0.1)
+    assert set(threading.enumerate()) <= before
