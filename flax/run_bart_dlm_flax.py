@@ -110,8 +110,7 @@ class TrainingArguments:
     per_device_eval_batch_size: int = arg(8, "Batch size per device for evaluation.")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per update (global batch: per device x devices x this).")
     fsdp: str = arg(
-        "",
-        "full_shard: shard parameters, gradients and Adam state over all devices; hybrid_shard: over each process's devices.",
+        "", "full_shard: parameters, gradients, Adam state sharded over all devices; hybrid_shard: per host."
     )
     learning_rate: float = arg(5e-5, "The initial learning rate for AdamW.")
     weight_decay: float = arg(0.0, "Weight decay for AdamW if we apply some.")
@@ -128,9 +127,7 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = arg(
         None, "Checkpoint to continue; alone: the newest in output_dir.", metadata={"nargs": "?", "const": "True"}
     )
-    ignore_data_skip: bool = arg(
-        False, "Resume on changed data from the start of the saved epoch, instead of refusing."
-    )
+    ignore_data_skip: bool = arg(False, "Resume on changed data from the start of the saved epoch, not refuse.")
     eval_steps: int | None = arg(None, "Run an evaluation every X steps (default: every epoch).")
     seed: int = arg(42, "Random seed that will be set at the beginning of training.")
     report_to: str = arg("tensorboard", "tensorboard (events under output_dir/runs) or none.")
@@ -169,12 +166,8 @@ class DataArguments:
     validation_split_percentage: int | None = arg(5, "Percent of train held out without a validation split.")
     preprocessing_num_workers: int | None = arg(None, "The number of processes to use for the preprocessing.")
     max_train_samples: int | None = arg(None, "Use at most this many training rows.")
-    max_eval_samples: int | None = arg(
-        None, "Use at most this many evaluation rows (with --streaming: 1000 by default)."
-    )
-    streaming: bool = arg(
-        False, "Read, tokenize and shuffle the data as training goes, never all of it (needs --max_steps)."
-    )
+    max_eval_samples: int | None = arg(None, "Use at most this many evaluation rows (streamed: 1000 by default).")
+    streaming: bool = arg(False, "Read, tokenize and shuffle the data as training goes (needs --max_steps).")
     shuffle_buffer_size: int = arg(10000, "With --streaming: rows shuffled together, a window of this many at a time.")
     dump_noised_examples: int | None = arg(None, "Write N training rows as the step sees them to output_dir and exit.")
 
@@ -546,14 +539,8 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
     if args.adafactor:  # upstream's choice: the same schedule, no decay mask
         optimizer = optax.adafactor(learning_rate=schedule)
     else:
-        optimizer = optax.adamw(
-            schedule,
-            args.adam_beta1,
-            args.adam_beta2,
-            args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            mask=decay_mask_fn,
-        )
+        adam = (args.adam_beta1, args.adam_beta2, args.adam_epsilon)
+        optimizer = optax.adamw(schedule, *adam, weight_decay=args.weight_decay, mask=decay_mask_fn)
 
     create = functools.partial(train_state.TrainState.create, apply_fn=None, tx=optimizer)
     shapes = jax.eval_shape(create, params=params)
@@ -1008,13 +995,8 @@ def load_raw_datasets(model_args, data_args):
     kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, streaming=data_args.streaming)
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     if data_args.dataset_name is not None:
-        load = functools.partial(
-            load_dataset,
-            source,
-            data_args.dataset_config_name,
-            trust_remote_code=model_args.trust_remote_code,
-            **kwargs,
-        )
+        kwargs["trust_remote_code"] = model_args.trust_remote_code
+        load = functools.partial(load_dataset, source, data_args.dataset_config_name, **kwargs)
     else:
         files = {"train": data_args.train_file, "validation": data_args.validation_file}
         extension = {"txt": "text"}.get(source.split(".")[-1], source.split(".")[-1])
@@ -1257,10 +1239,8 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
         batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
         for k, row in enumerate(rows[: count - len(records)]):
             kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)
-            inputs, original = (
-                batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist(),
-                examples["input_ids"][k],
-            )
+            inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
+            original = examples["input_ids"][k]
             labels = batch["labels"][k].tolist() if "labels" in batch else None
             record = dict(batch=index, row=int(row), original_ids=list(original), input_ids=inputs, labels=labels)
             records.append(
@@ -2008,11 +1988,7 @@ def read_checkpoint(path, abstract_state):
                         f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
                         "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
                     )
-            target = {
-                "step": abstract_state.step,
-                "params": abstract_state.params,
-                "opt_state": abstract_state.opt_state,
-            }
+            target = {name: getattr(abstract_state, name) for name in ("step", "params", "opt_state")}
             restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
             restored = manager.restore(step, args=restore)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds on damaged files

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import threading
-import time
 
 import pytest
 from conftest import (
@@ -126,15 +125,31 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
     assert on_two_hosts(tmp_path / "resumed", "--resume_from_checkpoint") == [first[32:], second[32:]]
 
 
-def test_read_ahead_ends_its_thread_when_training_stops_reading():
+@pytest.fixture(scope="module")
+def script():
+    return load_script(MLM, "streaming_run_mlm_flax")
+
+
+def test_read_ahead_ends_its_thread_when_training_stops_reading(script):
     """Training stops reading the stream at --max_steps: the read-ahead thread ends with it, leaving no thread that
     holds a window and the file open in a process that calls main() again."""
-    script, before = load_script(MLM, "streaming_run_mlm_flax"), set(threading.enumerate())
+    before = set(threading.enumerate())
     windows = script.read_ahead(itertools.count())
     assert [next(windows), next(windows)] == [0, 1]
     windows.close()
-    for _ in range(50):
-        if set(threading.enumerate()) <= before:
-            break
-        time.sleep(0.1)
     assert set(threading.enumerate()) <= before
+
+
+def test_a_dataset_folder_loads_and_streams_as_files_do(script, corpus, tmp_path):
+    """--dataset_name (a local folder here: no hub offline) loads through the same code as files, in memory and
+    streamed."""
+    folder = tmp_path / "ptb"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        shutil.copy(corpus / f"{split}_slice.txt", folder / f"{split}.txt")
+    first = (corpus / "train_slice.txt").read_text().splitlines()[:3]
+    for extra in ([], ["--streaming"]):
+        args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(folder), "--do_train", *extra]
+        model_args, data_args, _ = script.parse_args(args)
+        raw = script.load_raw_datasets(model_args, data_args)
+        assert [row["text"] for row in itertools.islice(raw["train"], 3)] == first and "validation" in raw
