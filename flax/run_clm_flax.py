@@ -464,8 +464,8 @@ def train(state, train_step, run, progress):
     with bar:  # closed before an error line
         for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
             batch = collate_batch(run.collator, examples, seed, rows, len(rows))
-            batch = common_shapes(batch, run.tokenizer.pad_token_id) if streamed else batch
-            batch = global_batch(batch, plan, args.gradient_accumulation_steps, local=streamed)
+            batch = common_shapes(batch, run.tokenizer.pad_token_id)
+            batch = global_batch(batch, plan, args.gradient_accumulation_steps)
             state, metrics = timed_step(train_step, state, batch, loop)
             progress.global_step += 1
             progress.epoch, progress.batch_in_epoch, progress.stream = position
@@ -933,14 +933,15 @@ def epoch_batches(num_examples, batch_size, seed, epoch):
 
 
 def epoch_rows(run, progress):
-    """In memory: the training batches from `progress` on, each epoch's a permutation drawn from (seed, epoch). Yields
-    each batch's examples, noise seed, row ids, the position after it (epoch, batch, None) and whether it ends its
-    epoch."""
-    plan, seed = run.plan, run.args.seed
+    """In memory: this process's rows of each global batch from `progress` on, each epoch's batches a permutation
+    drawn from (seed, epoch). Yields the rows' examples, noise seed, row ids, the position after the batch (epoch,
+    batch, None) and whether it ends its epoch."""
+    plan, seed, micro_batches = run.plan, run.args.seed, run.args.gradient_accumulation_steps
     for epoch in range(progress.epoch, plan.num_epochs):
         batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, epoch)
         for index in range(progress.batch_in_epoch if epoch == progress.epoch else 0, len(batches)):
             rows, last = np.sort(batches[index]), index + 1 == len(batches)
+            rows = rows.reshape(micro_batches, jax.process_count(), -1)[:, plan.process_index].reshape(-1)
             yield run.dataset["train"][rows], (seed, epoch), rows, (epoch + last, 0 if last else index + 1, None), last
 
 
@@ -1024,8 +1025,8 @@ def read_ahead(iterator, depth=1):
 
 
 def common_shapes(batch, pad_token_id):
-    """Streamed over several processes each collates its own rows: every array padded to the largest shape any
-    process has (labels with -100, token ids with the pad token, masks and positions with 0)."""
+    """With several processes, each collating its own rows: every array padded to the largest shape any process
+    has (labels with -100, token ids with the pad token, masks and positions with 0)."""
     if jax.process_count() == 1:
         return batch
     dims = np.concatenate([np.asarray(value.shape[1:], np.int32) for value in batch.values()])
@@ -1412,25 +1413,20 @@ def state_shardings(state, mesh, fsdp):
     return jax.tree.map(rule, state)
 
 
-def global_batch(batch, plan, micro_batches=None, local=False):
-    """A global batch as arrays sharded by rows over every device, each process placing only its own rows: from the
-    whole batch, which every process collates, or (local) from the rows this process collated; in training shaped
-    [micro-batches, rows, ...]."""
-    rows = PartitionSpec(("replica", "fsdp"))
-    sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows) if micro_batches else rows)
-
-    def place(value):
-        axis = int(bool(micro_batches))
-        value = value.reshape(micro_batches, -1, *value.shape[1:]) if micro_batches else value
-        if local:
-            shape = (*value.shape[:axis], value.shape[axis] * jax.process_count(), *value.shape[axis + 1 :])
-            return jax.make_array_from_process_local_data(sharding, value, shape)
-        share = value.shape[axis] // jax.process_count()
-        start = plan.process_index * share
-        mine = value[:, start : start + share] if micro_batches else value[start : start + share]
-        return jax.make_array_from_process_local_data(sharding, mine, value.shape)
-
-    return {name: place(value) for name, value in batch.items()}
+def global_batch(batch, plan, micro_batches=None):
+    """A global batch as arrays sharded by rows over every device, each process placing only its own rows. Training
+    (micro_batches): from the rows this process collated, shaped [micro-batches, rows, ...], each micro-batch's rows
+    in one block a process; evaluation: from the whole batch, which every process collates."""
+    rows, processes = PartitionSpec(("replica", "fsdp")), jax.process_count()
+    if micro_batches:
+        sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows))
+        local = {name: value.reshape(micro_batches, -1, *value.shape[1:]) for name, value in batch.items()}
+        shape = lambda x: (micro_batches, x.shape[1] * processes, *x.shape[2:])  # noqa: E731
+        return {k: jax.make_array_from_process_local_data(sharding, x, shape(x)) for k, x in local.items()}
+    share = len(next(iter(batch.values()))) // processes
+    mine = slice(plan.process_index * share, (plan.process_index + 1) * share)
+    sharding = NamedSharding(plan.mesh, rows)
+    return {k: jax.make_array_from_process_local_data(sharding, x[mine], x.shape) for k, x in batch.items()}
 
 
 @dataclass

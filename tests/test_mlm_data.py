@@ -1,5 +1,8 @@
 """The MLM collator and group_texts of flax/run_mlm_flax.py, against their specification."""
 
+from types import SimpleNamespace
+
+import datasets
 import numpy as np
 import pytest
 from conftest import load_script
@@ -173,3 +176,21 @@ def test_a_batch_of_new_shapes_is_logged_as_a_recompilation(caplog):
     assert len(calls) == 5 and again == [
         "the train step compiles again, for new batch shapes: labels (1, 2, 24) -> (1, 2, 64)"
     ]
+
+
+def test_each_process_collates_only_its_block_of_every_micro_batch(monkeypatch):
+    """In memory with two processes, each collates only its rows of a global batch of two micro-batches: process p
+    the p-th half of each micro-batch (the layout global_batch assembles), so that together they are the batch."""
+    dataset = datasets.Dataset.from_dict({"input_ids": [[i] for i in range(16)]})
+    monkeypatch.setattr(mlm.jax, "process_count", lambda: 2)
+    shares = []
+    for process in (0, 1):
+        plan = SimpleNamespace(num_epochs=1, num_train_examples=16, train_batch_size=8, process_index=process)
+        args = SimpleNamespace(seed=0, gradient_accumulation_steps=2)
+        examples, _, rows, *_ = next(
+            mlm.epoch_rows(SimpleNamespace(plan=plan, args=args, dataset={"train": dataset}), mlm.TrainingProgress())
+        )
+        assert [ids[0] for ids in examples["input_ids"]] == list(rows)
+        shares.append(list(rows))
+    whole = np.sort(mlm.epoch_batches(16, 8, 0, 0)[0]).reshape(2, 2, 2)  # [micro-batch, process, row]
+    assert shares == [list(whole[:, process].reshape(-1)) for process in (0, 1)]
