@@ -1350,6 +1350,9 @@ def plan_training(training_args, dataset, max_seq_length):
         args.per_device_train_batch_size * devices * accumulation,
         args.per_device_eval_batch_size * devices,
     )
+    for split, flag in (("train", "--do_train"), ("validation", "--do_eval")):
+        if getattr(args, flag[2:]) and split not in dataset:
+            fail(f"{flag} needs a {split} split and the data has none; give --{split}_file")
     if args.do_eval and len(dataset["validation"]) == 0:
         fail("the validation set is empty after tokenization; give a longer --validation_file")
     if not args.do_train:

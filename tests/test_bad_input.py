@@ -10,6 +10,7 @@ import functools
 import io
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -372,9 +373,15 @@ def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
 
 def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
     """--streaming without --max_steps, evaluating without --validation_file (a stream has no percentage to split
-    off), with --dump_noised_examples (in memory only), with windows of 0 rows: one line each, nothing written."""
-    out, train = tmp_path / "out", corpus / "train_slice.txt"
+    off, with files or a dataset of no validation split), with --dump_noised_examples (in memory only), with windows
+    of 0 rows: one line each, nothing written."""
+    out, train, folder = tmp_path / "out", corpus / "train_slice.txt", tmp_path / "train_only"
+    folder.mkdir()
+    shutil.copy(train, folder / "train.txt")
+    dataset = mlm(request, corpus, tmp_path / "locked", "--streaming", train=train)  # refused after the lock
+    dataset[dataset.index("--train_file") : dataset.index("--train_file") + 2] = ["--dataset_name", str(folder)]
     errors(
+        (dataset, "--do_eval needs a validation split and the data has none; give --validation_file"),
         (mlm(request, corpus, out, "--streaming", "--max_steps", "-1"), "--streaming needs --max_steps"),
         (mlm(request, corpus, out, "--streaming", train=train), "--streaming with --do_eval needs --validation_file"),
         (mlm(request, corpus, out, "--streaming", "--dump_noised_examples", "2"), "leave out --streaming"),
@@ -383,7 +390,7 @@ def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
             "--shuffle_buffer_size must be positive",
         ),
     )
-    assert not out.exists()
+    assert not out.exists() and os.listdir(tmp_path / "locked") == [".lock"]  # removed at exit, outside pytest
 
 
 def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_path, caplog):
