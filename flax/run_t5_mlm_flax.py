@@ -853,7 +853,8 @@ def validate_args(model_args, data_args, training_args):
         if refused:
             fail(message)
     validate_objective(data_args)
-    unused = ("preprocessing_num_workers", "overwrite_cache") if streamed else ("shuffle_buffer_size",)
+    unused = ("preprocessing_num_workers", "overwrite_cache", "validation_split_percentage")
+    unused = unused if streamed else ("shuffle_buffer_size",)
     unused = [f"--{f.name}" for f in fields(DataArguments) if f.name in unused and getattr(data, f.name) != f.default]
     if unused:
         logger.warning(f"{', '.join(unused)}: no effect {'with' if streamed else 'without'} --streaming")

@@ -394,18 +394,25 @@ def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
 
 
 def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_path, caplog):
-    """Workers and cache options do nothing to a stream, windows nothing in memory: a warning names them."""
+    """Workers, cache and split options do nothing to a stream, windows nothing in memory: a warning names them."""
     module = script_module(MLM)
     for extra, expected in (
         (
-            ["--streaming", "--preprocessing_num_workers", "2", "--overwrite_cache"],
+            [
+                "--streaming",
+                "--preprocessing_num_workers",
+                "2",
+                "--overwrite_cache",
+                "--validation_split_percentage",
+                "9",
+            ],
             "--preprocessing_num_workers: no effect with",
         ),
         (["--shuffle_buffer_size", "64"], "--shuffle_buffer_size: no effect without --streaming"),
     ):
         module.validate_args(*module.parse_args(mlm(request, corpus, tmp_path / "out", *extra)[1:]))
         assert expected in caplog.text
-    assert "--overwrite_cache, --preprocessing_num_workers" in caplog.text
+    assert "--overwrite_cache, --validation_split_percentage, --preprocessing_num_workers" in caplog.text
 
 
 def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
