@@ -109,9 +109,7 @@ class TrainingArguments:
     per_device_train_batch_size: int = arg(8, "Batch size per device for training.")
     per_device_eval_batch_size: int = arg(8, "Batch size per device for evaluation.")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per update (global batch: per device x devices x this).")
-    fsdp: str = arg(
-        "", "full_shard: parameters, gradients, Adam state sharded over all devices; hybrid_shard: per host."
-    )
+    fsdp: str = arg("", "full_shard: params, gradients, Adam state sharded over all devices; hybrid_shard: per host.")
     learning_rate: float = arg(5e-5, "The initial learning rate for AdamW.")
     weight_decay: float = arg(0.0, "Weight decay for AdamW if we apply some.")
     adam_beta1: float = arg(0.9, "Beta1 for AdamW optimizer")
@@ -1189,19 +1187,14 @@ def read_ahead(iterator, depth=1):
     train step); an error there is raised here. Closed, it ends the thread."""
     ready, dropped = queue.Queue(depth), threading.Event()
 
-    def put(entry):
-        while not dropped.is_set():
-            with contextlib.suppress(queue.Full):
-                return ready.put(entry, timeout=0.1)
-
     def work():
         try:
             for item in iterator:
+                ready.put((item, None))
                 if dropped.is_set():
                     return
-                put((item, None))
         except BaseException as e:  # noqa: BLE001 - fail()'s SystemExit too: raised in the main thread
-            put((None, e))
+            ready.put((None, e))
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
@@ -1213,6 +1206,8 @@ def read_ahead(iterator, depth=1):
             yield item
     finally:  # the item in the making is finished first: native code running at exit would abort the process
         dropped.set()
+        with contextlib.suppress(queue.Empty):
+            ready.get_nowait()  # room for the one item the thread may still put
         thread.join()
 
 
