@@ -939,8 +939,15 @@ def load_raw_datasets(model_args, data_args):
     try:
         raw = load()
         if data_args.streaming:  # the features a stream leaves unknown are read from its first rows
+            if data_args.dataset_name is None and extension == "text" and data_args.train_file:
+                raw["train"] = text_file_stream(data_args.train_file, kwargs.get("keep_linebreaks", False))
             raw = StreamingSplits({name: split._resolve_features() for name, split in raw.items()})
             if "train" in raw:
+                if raw["train"].num_shards % jax.process_count():
+                    logger.warning(
+                        f"the training stream has {raw['train'].num_shards} file(s), not a multiple of the "
+                        f"{jax.process_count()} processes: each process reads all of it to keep its rows"
+                    )
                 raw["train"] = split_dataset_by_node(raw["train"], jax.process_index(), jax.process_count())
         elif "validation" not in raw.keys() and "train" in raw.keys():
             if round(len(raw["train"]) * pct / 100) == 0:
@@ -952,6 +959,35 @@ def load_raw_datasets(model_args, data_args):
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
         fail(f"cannot load dataset {source!r}: {type(e).__name__}: {first_line(e)}")
     return raw
+
+
+def text_file_stream(path, keep_linebreaks, shard_bytes=64 << 20):
+    """A text file streamed a row a line, as datasets' text loader reads it, in byte ranges (shards) of about
+    shard_bytes, their count a multiple of the process count: each process reads only its ranges, and a resume
+    re-reads at most one range up to its position."""
+    size, processes = os.path.getsize(path), jax.process_count()
+    count, starts = processes * max(1, round(size / (shard_bytes * processes))), [0]
+    with open(path, "rb") as f:
+        for i in range(1, count):
+            f.seek(size * i // count - 1)
+            f.readline()  # a range starts where a line does
+            starts.append(max(f.tell(), starts[-1]))
+    kwargs = dict(path=path, ranges=list(zip(starts, [*starts[1:], size])), keep_linebreaks=keep_linebreaks)
+    features = datasets.Features({"text": datasets.Value("string")})
+    return datasets.IterableDataset.from_generator(read_text_ranges, features=features, gen_kwargs=kwargs)
+
+
+def read_text_ranges(path, ranges, keep_linebreaks):
+    """The lines of `path` that start in its byte `ranges`, 16 MiB read at a time."""
+    with open(path, "rb") as f:
+        for start, end in ranges:
+            f.seek(start)
+            while start < end:
+                block = f.read(min(1 << 24, end - start))
+                block += f.readline() if start + len(block) < end else b""
+                start += len(block)
+                for line in block.decode().replace("\r\n", "\n").replace("\r", "\n").splitlines(keep_linebreaks):
+                    yield {"text": line}
 
 
 class StreamingSplits(dict):

@@ -8,6 +8,7 @@ import re
 import shutil
 import threading
 
+import datasets
 import pytest
 from conftest import (
     FLAX_TRAINING_SCRIPTS,
@@ -18,6 +19,7 @@ from conftest import (
     load_script,
     run,
 )
+from datasets.distributed import split_dataset_by_node
 from test_flax_training import start_two_hosts
 
 MLM = "flax/run_mlm_flax.py"
@@ -95,10 +97,12 @@ script.main(sys.argv[2:])
 
 def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, corpus, tmp_path):
     """64 distinct lines, one row each (--line_by_line), 8 steps of 8 rows: one process trains on all of them; each of
-    two processes on 32 of them, none on the other's (line lengths differ, so each step the two pad to one shape).
+    two processes on the 32 of its half of the file, none on the other's (the lines' tokens differ in number, so each
+    step the two pad to one shape).
     Resumed on two processes at step 8, each goes on in its own share as the uninterrupted run did."""
-    lines = list(dict.fromkeys(line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()))
-    (tmp_path / "lines.txt").write_text("\n".join(lines[:64]) + "\n")
+    text = (corpus / "train_slice.txt").read_text()  # ASCII; lines of 40 bytes: each process's half of them is 32
+    lines = list(dict.fromkeys(line[:40] for line in text.splitlines() if len(line) >= 40))
+    (tmp_path / "lines.txt").write_text("".join(line + "\n" for line in lines[:64]))
     args = flax_args(MLM, request, corpus, tmp_path / "one", *STREAMED[:4], "--line_by_line")
     args[args.index("--train_file") + 1] = str(tmp_path / "lines.txt")
     args += ["--per_device_train_batch_size", "8", "--max_steps", "8", "--save_steps", "8", "--report_to", "none"]
@@ -140,9 +144,9 @@ def test_read_ahead_ends_its_thread_when_training_stops_reading(script):
     assert set(threading.enumerate()) <= before
 
 
-def test_a_dataset_folder_loads_and_streams_as_files_do(script, corpus, tmp_path):
+def test_a_dataset_folder_loads_and_streams_as_files_do(script, corpus, tmp_path, monkeypatch, caplog):
     """--dataset_name (a local folder here: no hub offline) loads through the same code as files, in memory and
-    streamed."""
+    streamed; streamed by two processes, its one train file is read by both, which is said."""
     folder = tmp_path / "ptb"
     folder.mkdir()
     for split in ("train", "validation"):
@@ -153,3 +157,33 @@ def test_a_dataset_folder_loads_and_streams_as_files_do(script, corpus, tmp_path
         model_args, data_args, _ = script.parse_args(args)
         raw = script.load_raw_datasets(model_args, data_args)
         assert [row["text"] for row in itertools.islice(raw["train"], 3)] == first and "validation" in raw
+    monkeypatch.setattr(script.jax, "process_count", lambda: 2)
+    script.load_raw_datasets(model_args, data_args)
+    assert "has 1 file(s), not a multiple of the 2 processes: each process reads all of it" in caplog.text
+
+
+def test_a_text_file_streams_in_byte_ranges_each_process_reading_only_its_own(script, monkeypatch, tmp_path):
+    """A streamed --train_file is cut into byte ranges at line starts, their count a multiple of the processes: the
+    rows are datasets' text loader's (line breaks kept or not, CRLF too); two processes get disjoint ranges that
+    make the file; a resume continues inside a range; and a process never decodes another's range (a byte that is
+    not UTF-8 in the second half stops only process 1)."""
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"".join(b"line %d %s%s" % (i, b"x" * (i % 7), b"\r\n" if i % 5 else b"\n") for i in range(64)))
+    for keep in (True, False):
+        loader = datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=keep)
+        assert list(script.text_file_stream(str(path), keep, shard_bytes=100)) == list(loader)
+    monkeypatch.setattr(script.jax, "process_count", lambda: 2)
+    stream = script.text_file_stream(str(path), False, shard_bytes=100)
+    assert stream.num_shards > 2 and stream.num_shards % 2 == 0
+    shares = [[row["text"] for row in split_dataset_by_node(stream, p, 2)] for p in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == sorted(loader["text"]) and not set(shares[0]) & set(shares[1])
+    share = split_dataset_by_node(stream, 1, 2)
+    rows = iter(share)
+    next(rows), next(rows), next(rows)
+    share.load_state_dict(share.state_dict())
+    assert [row["text"] for row in share] == shares[1][3:]
+    path.write_bytes(path.read_bytes() + b"caf\xe9\n")
+    halves = [split_dataset_by_node(script.text_file_stream(str(path), False), p, 2) for p in (0, 1)]
+    assert len(list(halves[0])) > 30
+    with pytest.raises(UnicodeDecodeError):
+        list(halves[1])
