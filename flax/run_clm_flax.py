@@ -854,12 +854,12 @@ def text_file_stream(path, keep_linebreaks, shard_bytes=64 << 20):
 
 
 def read_text_ranges(path, ranges, keep_linebreaks):
-    """The lines of `path` that start in its byte `ranges`, 16 MiB read at a time."""
+    """The lines of `path` that start in its byte `ranges`, a MiB read at a time."""
     with open(path, "rb") as f:
         for start, end in ranges:
             f.seek(start)
             while start < end:
-                block = f.read(min(1 << 24, end - start))
+                block = f.read(min(1 << 20, end - start))
                 block += f.readline() if start + len(block) < end else b""
                 start += len(block)
                 for line in block.decode().replace("\r\n", "\n").replace("\r", "\n").splitlines(keep_linebreaks):
