@@ -1106,7 +1106,7 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
             size, head = os.path.getsize(path), f.read(1 << 20)
             f.seek(max(size - (1 << 20), len(head)))
             files[os.path.basename(path)] = f"{size} bytes, {hashlib.sha256(head + f.read()).hexdigest()[:12]}"
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend, streamed = getattr(tokenizer, "backend_tokenizer", None), data_args.streaming and "train" in dataset
     vocabulary = backend.to_str() if backend else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     return {
         "train_files": files,
@@ -1114,7 +1114,7 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
         "tokenizer": hashlib.sha256(vocabulary.encode()).hexdigest()[:12],
         LENGTH_FLAG: max_seq_length,
         "train_rows": data_args.max_train_samples if data_args.streaming else plan.num_train_examples,
-        "streams": jax.process_count() if data_args.streaming else None,  # one share of the stream each
+        "streams": [jax.process_count(), dataset["train"].num_shards] if streamed else None,  # processes, shards each
         "shuffle_buffer_size": data_args.shuffle_buffer_size if data_args.streaming else None,
         "seed": seed,
         "train_batch_size": plan.train_batch_size,
