@@ -1047,7 +1047,14 @@ def read_text_ranges(path, ranges, keep_linebreaks):
                 block = f.read(min(1 << 20, end - start))
                 block += f.readline() if start + len(block) < end else b""
                 start += len(block)
-                for line in block.decode().replace("\r\n", "\n").replace("\r", "\n").splitlines(keep_linebreaks):
+                try:
+                    text = block.decode().replace("\r\n", "\n").replace("\r", "\n")
+                except UnicodeDecodeError as e:
+                    where = f"byte 0x{block[e.start]:02x} at offset {start - len(block) + e.start}"
+                    fail(
+                        f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8), resume"
+                    )
+                for line in text.splitlines(keep_linebreaks):
                     yield {"text": line}
 
 
