@@ -867,7 +867,7 @@ def read_text_ranges(path, ranges, keep_linebreaks):
                 except UnicodeDecodeError as e:
                     where = f"byte 0x{block[e.start]:02x} at offset {start - len(block) + e.start}"
                     fail(
-                        f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8), resume"
+                        f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
                     )
                 for line in text.splitlines(keep_linebreaks):
                     yield {"text": line}
