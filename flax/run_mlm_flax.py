@@ -1717,7 +1717,7 @@ def train_summary(plan, progress, loop):
         "train_tokens_per_second": loop.tokens / runtime,
         "epoch": progress.global_step / plan.steps_per_epoch,
         "global_step": progress.global_step,
-        "train_samples": plan.num_train_examples,
+        "train_samples": plan.num_train_examples or None,  # None: a stream has no length
         "global_batch_size": plan.train_batch_size,
         "num_devices": plan.num_devices,
         "total_flos": loop.flops * steps if loop.flops else None,
