@@ -176,7 +176,7 @@ MODEL_CLASS = transformers.FlaxAutoModelForCausalLM
 MODEL_TYPES = tuple(config.model_type for config in transformers.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING)
 OBJECTIVE = "causal-LM"  # in messages
 LENGTH_FLAG = "block_size"  # the argument that sets the sequence length
-SCORED_TOKENS = "predicted_tokens"  # what the loss is averaged over, in the results' key names
+SCORED_TOKENS = {"loss": "predicted_tokens"}  # loss_sums' counts in the results, by pair: eval_predicted_tokens
 LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
 # These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
 OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
@@ -251,7 +251,8 @@ def build_collator(data_args, config, tokenizer, block_size):
 
 def collate_batch(pad_token_id, examples, seed, row_ids, num_rows):
     """The model's batch of `num_rows` rows: the blocks, padded (padding and extra rows carry attention 0, so no
-    loss). `seed` and `row_ids` are unused: there is no noise to draw."""
+    loss). `seed` ((--seed, epoch) in training, a streamed pass being an epoch; (--seed,) in evaluation) and
+    `row_ids` are unused: there is no noise to draw."""
     batch = {
         "input_ids": np.full((num_rows, max(len(ids) for ids in examples["input_ids"])), pad_token_id, dtype=np.int32)
     }
@@ -404,8 +405,7 @@ def make_train_step(model, schedule, bf16, seed, state):
             for name, weight in LOSS_TERMS.items()
         ]
         grad = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), scaled)
-        metrics = objective_means(sums)
-        metrics.update(learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
+        metrics = dict(sums=sums, learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -532,7 +532,7 @@ def evaluate(params, run, step):
     runtime = time.perf_counter() - started
     return {
         **{f"eval_{name}": value for name, value in means.items()},
-        f"eval_{SCORED_TOKENS}": int(totals[next(iter(LOSS_TERMS))][1]),
+        **{f"eval_{key}": int(totals[name][1]) for name, key in SCORED_TOKENS.items()},
         "eval_samples": len(dataset),
         "eval_runtime": runtime,
         "eval_samples_per_second": len(dataset) / runtime,
@@ -1478,7 +1478,7 @@ class TrainingProgress:
     global_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0  # the next batch of `epoch` to train on
-    log_window: list = field(default_factory=list)  # the objective's metrics of each step since the last log line
+    log_window: list = field(default_factory=list)  # loss_sums' [sum, count] pairs of each step since the last log
     stream: dict | None = None  # streamed: where this process is in its share (see stream_rows)
     last_checkpoint: str | None = None
 
@@ -1532,15 +1532,17 @@ def timed_step(train_step, state, batch, loop):
 
 def fetch_metrics(loop, progress):
     """Bring the pending steps' metrics to the host, in order, into the log window and the run's losses; stop at
-    the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's."""
+    the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's means."""
     metrics = None
     for step, step_metrics in loop.pending:
-        metrics = {k: float(v) for k, v in step_metrics.items()}
+        step_metrics = jax.tree.map(float, step_metrics)
+        sums = {name: list(pair) for name, pair in step_metrics.pop("sums").items()}
+        metrics = {**objective_means(sums), **step_metrics}
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             stop_diverged(
                 step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
             )
-        progress.log_window.append({k: v for k, v in metrics.items() if k not in ("learning_rate", "grad_norm")})
+        progress.log_window.append(sums)
         loop.losses.append(metrics["loss"])
     loop.pending.clear()
     return metrics
@@ -1555,9 +1557,11 @@ def stop_diverged(step, what, progress):
 
 
 def log_training(progress, metrics, plan, loop, peak_tflops, writer):
-    """One line and TensorBoard scalars: the objective's means since the last line, the last step's learning rate
-    and gradient norm, and the throughput of the steps timed since then (none if the only one compiled)."""
-    means = {name: float(np.mean([m[name] for m in progress.log_window])) for name in progress.log_window[0]}
+    """One line and TensorBoard scalars: the objective's means over the tokens since the last line (sums and counts
+    added over its steps), the last step's learning rate and gradient norm, and the throughput of the steps timed
+    since then (none if the only one compiled)."""
+    window = progress.log_window
+    means = objective_means({name: [sum(step[name][i] for step in window) for i in (0, 1)] for name in window[0]})
     progress.log_window = []
     epoch = progress.global_step / plan.steps_per_epoch
     scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
@@ -1788,6 +1792,8 @@ def restore_checkpoint(paths, abstract_state, run):
     else:
         fail(f"no checkpoint in {run.args.output_dir} can be restored; start afresh with --overwrite_output_dir")
     progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
+    # A window of per-step means (written before the window held sums) is not added to: its line starts afresh.
+    progress.log_window = [step for step in progress.log_window if all(isinstance(v, list) for v in step.values())]
     progress.last_checkpoint, plan = path, run.plan
     changed = ", ".join(
         f"{k} {v} -> {run.data.get(k)}" for k, v in saved.get("data", {}).items() if run.data.get(k) != v

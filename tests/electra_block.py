@@ -7,7 +7,7 @@ MODEL_CLASS = transformers.FlaxAutoModelForPreTraining  # the discriminator; the
 MODEL_TYPES = ("electra",)
 OBJECTIVE = "replaced-token detection"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
-SCORED_TOKENS = "masked_tokens"  # what the first loss term is averaged over, in the results' key names
+SCORED_TOKENS = {"generator_loss": "masked_tokens", "discriminator_loss": "real_tokens"}  # counts, in the results
 LOSS_TERMS = {"generator_loss": 1.0, "discriminator_loss": 50.0}  # the paper's weights
 GENERATOR_SIZE = 0.25  # the generator's hidden and intermediate sizes, as a fraction of the discriminator's
 

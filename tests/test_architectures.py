@@ -140,6 +140,7 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
         device_rows = script.global_batch(batch, plan, training_args.gradient_accumulation_steps)
         compiled = compiled or quick_compile(train_step, state, device_rows)
         state, step_metrics = compiled(state, device_rows)
+        step_metrics = {**script.objective_means(step_metrics.pop("sums")), **step_metrics}
         metrics.append({name: float(value) for name, value in step_metrics.items()})
     assert int(state.step) == 2
     return model, state.params, batch, metrics
