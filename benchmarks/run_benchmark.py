@@ -1204,7 +1204,9 @@ def build_parser():
     )
     parser.add_argument("--flax_devices", type=int, default=2, help="Fake CPU devices for the flax_fsdp mode.")
     parser.add_argument(
-        "--xla_flags", default="", help="XLA_FLAGS for the Flax modes (e.g. --xla_cpu_use_thunk_runtime=false)."
+        "--xla_flags",
+        default=os.environ.get("XLA_FLAGS", ""),
+        help="XLA_FLAGS for the Flax modes (default: the environment's; e.g. --xla_cpu_max_isa=AVX2).",
     )
     parser.add_argument(
         "--xla_python",

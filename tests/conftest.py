@@ -133,8 +133,19 @@ def corpus(tmp_path_factory):
     return out
 
 
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+# An evaluation of the same weights in another process, device count or batch size: float32 sums of up to a few
+# thousand per-token terms a batch in another order, which round like a random walk (sqrt(n) x 2**-24: 3e-6).
+RELOAD_RTOL = 1e-5
+
+
+def fake_devices(count):
+    """The environment for `count` fake CPU devices, keeping the XLA_FLAGS the suite runs under (such as
+    --xla_cpu_max_isa=AVX2, to run XLA's code as an AVX2-only CPU would)."""
+    flags = (os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={count}")
+    return {"XLA_FLAGS": " ".join(flag for flag in flags if flag)}
+
+
+TWO_DEVICES, FOUR_DEVICES = fake_devices(2), fake_devices(4)
 
 
 def make_model_dir(out, corpus, model_type, overrides, *tokenizer_args):
@@ -267,6 +278,27 @@ LONGEST_FIRST = (
     "test_objective_block.py",
     "test_architectures.py",
 )
+
+
+def pytest_sessionstart(session):
+    """The CPU the suite runs on (float results and bf16 speed depend on it), as the first line of every log, -q too."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):  # not in pytest-xdist's workers
+        reporter.write_line(cpu_line())
+
+
+def cpu_line():
+    info = dict(
+        line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line
+    )
+    info = {key.strip(): value.strip() for key, value in info.items()}
+    bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in info.get("flags", "").split()]
+    isa = "AVX-512" if "avx512f" in info.get("flags", "") else "AVX2" if "avx2" in info.get("flags", "") else "no AVX2"
+    return (
+        f"CPU: {info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}),"
+        f" {isa}, bf16 instructions: {' '.join(bf16) or 'none'}, {os.cpu_count()} cores;"
+        f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or '(unset)'}"
+    )
 
 
 def pytest_collection_modifyitems(items):

@@ -45,7 +45,8 @@ def test_end_to_end_runs_the_real_scripts(tmp_path):
         own = json.loads((tmp_path / "work" / "e2e" / name / "eval_results.json").read_text())
         assert rows[name]["eval_loss"] == own["eval_loss"] and rows[name]["eval_accuracy"] == own["eval_accuracy"]
         assert [p[0] for p in rows[name]["curve"]] == [5, 10, 15, 20] and rows[name]["curve"][-1][1] == pytest.approx(
-            own["eval_loss"], abs=1e-4
+            own["eval_loss"],
+            abs=1e-4,  # the curve is read from TensorBoard, which stores float32 (5e-7 at 7)
         )
     worst = max(rows[name]["eval_loss"] for name in ran)
     assert report["end_to_end"]["target_loss"] == worst and all(

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 from conftest import (
+    RELOAD_RTOL,
     TWO_DEVICES,
     check_names_itself,
     check_ok,
@@ -92,7 +93,7 @@ def test_noise_mask_spans_have_the_requested_mean(t5_dir):
     collator, _, _ = make_collator(tokenizer, 512, 0.15, 3.0)
     rng = np.random.default_rng(0)
     masks = np.array([collator.random_spans_noise_mask(568, rng) for _ in range(200)])
-    assert abs(masks.mean() - 0.15) < 0.002
+    assert abs(masks.mean() - 0.15) < 0.002  # seeded numpy draws (the same on every CPU), 113,600 positions
     starts = (masks[:, 1:] & ~masks[:, :-1]).sum()
     assert abs(masks.sum() / starts - 3.0) < 0.2
     assert not masks[:, 0].any()  # a non-noise span comes first
@@ -152,7 +153,7 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
     # Reload the checkpoint on one device and evaluate the same spans: the same loss.
     reloaded = eval_reloaded(args, out, tmp_path / "again")
     assert reloaded["eval_target_tokens"] == metrics["eval_target_tokens"]
-    assert reloaded["eval_loss"] == pytest.approx(metrics["eval_loss"], abs=1e-5)
+    assert reloaded["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=RELOAD_RTOL)
 
 
 def test_bad_input(t5_dir, corpus, tmp_path):

@@ -118,7 +118,7 @@ def test_tf_and_pytorch_roberta_agree_with_this_tokenizer(prepared, tmp_path):
     tf_logits = TFAutoModelForMaskedLM.from_pretrained(tmp_path, from_pt=True)(ids).logits.numpy()
     with torch.no_grad():
         pt_logits = pt_model(torch.tensor(ids)).logits.numpy()
-    assert np.abs(tf_logits - pt_logits).max() < 1e-4
+    assert np.abs(tf_logits - pt_logits).max() < 1e-4  # two frameworks' float32 kernels: about 1e-6 of logits ~1
 
 
 def test_shard_names_counts_and_contents(prepared, corpus):
@@ -177,7 +177,7 @@ def test_metrics_written_and_model_reloads(mirrored):
     out, _ = mirrored
     train = json.loads((out / "train_results.json").read_text())
     metrics = json.loads((out / "eval_results.json").read_text())
-    assert train["reload_max_abs_logit_diff"] <= 1e-6
+    assert train["reload_max_abs_logit_diff"] <= 1e-6  # the same weights and program: rounding at most
     assert 0.0 < metrics["eval_accuracy"] < 1.0 and metrics["eval_loss"] < math.log(2000) - 1.0
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     # Keras' batch-averaged loss and the token-weighted one agree closely on equal-length batches.
@@ -231,11 +231,13 @@ def test_steps_schedule_and_tensorboard_from_given_weights(mirrored, prepared, t
     assert {"train/loss", "train/accuracy", "train/learning_rate", "eval/loss", "eval/accuracy"} <= set(scalars)
     assert list(scalars["eval/loss"]) == [6, 12, 16]
     assert scalars["eval/loss"][16] == pytest.approx(
-        json.loads((out / "eval_results.json").read_text())["eval_loss"], rel=1e-6
+        json.loads((out / "eval_results.json").read_text())["eval_loss"],
+        rel=1e-6,  # TensorBoard's float32: 6e-8
     )
     # Linear warm-up to the peak over 8 steps, then linear decay to 0 at step 16.
     assert [scalars["train/learning_rate"][step] for step in (6, 12, 16)] == pytest.approx(
-        [3e-3 * 6 / 8, 3e-3 * 4 / 8, 0.0], abs=1e-9
+        [3e-3 * 6 / 8, 3e-3 * 4 / 8, 0.0],
+        abs=1e-9,  # float32 rates: 2e-10 at 3e-3
     )
     # It started from the trained weights: a fresh model is near log(vocabulary) after 6 steps.
     assert scalars["eval/loss"][6] < math.log(2000) - 1.0
@@ -329,6 +331,7 @@ def test_masked_metrics_match_a_hand_computation(script):
     expected_accuracy = (np.argmax(logits, -1) == labels)[mask].mean()
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected_loss = -np.take_along_axis(log_probs, np.where(mask, labels, 0)[..., None], -1)[..., 0][mask].mean()
+    # A ratio of integer counts (IEEE division: the same on every CPU); a float32 log-softmax against numpy's.
     assert float(accuracy.result()) == pytest.approx(expected_accuracy, abs=1e-12)
     assert float(loss.result()) == pytest.approx(expected_loss, rel=1e-5)
     assert expected_accuracy != pytest.approx(mask.mean())  # Keras' "accuracy" would report about this
