@@ -431,7 +431,9 @@ class FlaxDataCollatorForBartDenoisingLM:
         return result
 
 
-def build_collator(data_args, config, tokenizer, max_seq_length):
+def build_collator(data_args, config, tokenizer, max_seq_length, dataset):
+    """The noise's settings. `dataset`: the rows to be trained on and evaluated (after --max_train_samples and
+    --max_eval_samples; an IterableDataset when streamed), for an objective that derives state from them."""
     return FlaxDataCollatorForBartDenoisingLM(
         tokenizer=tokenizer,
         decoder_start_token_id=config.decoder_start_token_id,
@@ -442,6 +444,12 @@ def build_collator(data_args, config, tokenizer, max_seq_length):
         mask_random=data_args.mask_random,
         insert_zero_length_spans=data_args.insert_zero_length_spans,
     )
+
+
+def resume_checks(collator):
+    """What a resume must find unchanged besides the data (JSON values; a hash of large ones): a checkpoint written
+    with other values is refused, as one of other data is. Denoising derives nothing from the data."""
+    return {}
 
 
 def collate_batch(collator, examples, seed, row_ids, num_rows):
@@ -491,7 +499,7 @@ def main(argv=None):
     fit_attention(config, max_seq_length)
     dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
-    collator = build_collator(data_args, config, tokenizer, max_seq_length)
+    collator = build_collator(data_args, config, tokenizer, max_seq_length, dataset)
     if data_args.dump_noised_examples:
         return dump_noised_examples(
             dataset["train"], collator, plan, training_args, tokenizer, data_args.dump_noised_examples
@@ -501,7 +509,7 @@ def main(argv=None):
     model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoints))
     bf16 = model_args.dtype == "bfloat16"
     eval_step = make_eval_step(model, bf16, training_args.seed) if training_args.do_eval else None
-    data = data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, training_args.seed)
+    data = data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, training_args.seed, collator)
     run = Run(
         training_args, plan, model, tokenizer, collator, dataset, hub, eval_step, objective_settings(data_args), data
     )
@@ -1103,10 +1111,10 @@ def objective_settings(data_args):
     return {f.name: getattr(data_args, f.name) for f in fields(data_args) if f.name not in shared}
 
 
-def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
+def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed, collator):
     """What a saved data position means: the train files (size, and a hash of their first and last MiB), the dataset,
-    the tokenizer, the sequence length, the training rows, how a stream is read, the seed and the global batch;
-    checkpoints record it."""
+    the tokenizer, the sequence length, the training rows, how a stream is read, the seed, the global batch and the
+    objective's resume_checks; checkpoints record it."""
     files = {}
     for path in [data_args.train_file] if data_args.train_file else []:
         with open(path, "rb") as f:
@@ -1125,6 +1133,7 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed):
         "shuffle_buffer_size": data_args.shuffle_buffer_size if data_args.streaming else None,
         "seed": seed,
         "train_batch_size": plan.train_batch_size,
+        "resume_checks": resume_checks(collator),
     }
 
 
@@ -1478,17 +1487,19 @@ def fit_attention(config, length):
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
-    """The model's logits, under the given flax method interceptors and, with --dtype bfloat16, bf16_dense. Dropout is
+    """The model's logits, under the given flax method interceptors and, with --dtype bfloat16, bf16_dense. Only the
+    batch's keys that the model's __call__ names reach it (other keys, such as labels, are for loss_sums). Dropout is
     switched on the way the model's __call__ takes it: `train`, or `deterministic` (OPT); in training, BigBird's
     block-sparse attention draws its random blocks from an `indices_rng` derived from the dropout rng."""
     takes = inspect.signature(model.__call__).parameters
+    inputs = {name: value for name, value in batch.items() if name in takes}
     mode = {"train": train} if "train" in takes else {"deterministic": not train}
     if "indices_rng" in takes and dropout_rng is not None:
         mode["indices_rng"] = jax.random.fold_in(dropout_rng, 1)
     with contextlib.ExitStack() as stack:
         for interceptor in [*interceptors, *([bf16_dense] if bf16 else [])]:
             stack.enter_context(nn.intercept_methods(interceptor))
-        return model(**batch, params=params, dropout_rng=dropout_rng, **mode)[0]
+        return model(**inputs, params=params, dropout_rng=dropout_rng, **mode)[0]
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
@@ -1992,7 +2003,8 @@ def restore_checkpoint(paths, abstract_state, run):
     if changed and not run.args.ignore_data_skip:
         fail(
             f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
-            "data, tokenizer, length, seed and global batch that wrote it, or add --ignore_data_skip to start its epoch afresh"
+            "data, tokenizer, length, seed, global batch and resume_checks that wrote it, or add --ignore_data_skip to start its "
+            "epoch afresh"
         )
     progress.stream = saved.get("stream") and saved["stream"][plan.process_index]
     if changed:

@@ -49,8 +49,12 @@ def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
     return tokenized.map(group_texts, batched=True, fn_kwargs={"block_size": max_seq_length}, **kwargs)
 
 
-def build_collator(data_args, config, tokenizer, max_seq_length):
+def build_collator(data_args, config, tokenizer, max_seq_length, dataset):
     return tokenizer, data_args.mlm_probability, max_seq_length
+
+
+def resume_checks(collator):
+    return {}
 
 
 def collate_batch(collator, examples, seed, row_ids, num_rows):

@@ -130,7 +130,7 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     assert length == getattr(data_args, script.LENGTH_FLAG)
     script.fit_attention(config, length)
     plan = script.plan_training(training_args, {"train": rows}, length)
-    collator = script.build_collator(data_args, config, tokenizer, length)
+    collator = script.build_collator(data_args, config, tokenizer, length, {"train": rows})
     model, state, schedule = script.build_train_state(model_args, training_args, config, plan)
     train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed, state=state)
     metrics, compiled = [], None

@@ -85,7 +85,7 @@ def train_in_process(script, model_dir, train_file, output_dir, steps, **batch):
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train_file.read_text().splitlines()})})
     rows = script.preprocess(raw, data_args, tokenizer, length)["train"]
     plan = script.plan_training(training_args, {"train": rows}, length)
-    collator = script.build_collator(data_args, config, tokenizer, length)
+    collator = script.build_collator(data_args, config, tokenizer, length, {"train": rows})
     model, state, schedule = script.build_train_state(model_args, training_args, config, plan)
     train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed, state=state)
     losses, gradient = [], None

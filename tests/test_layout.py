@@ -71,6 +71,7 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
             "def resolve_max_seq_length",
             "def preprocess",
             "def build_collator",
+            "def resume_checks",
             "def collate_batch",
             "def build_model",
             "def save_model",

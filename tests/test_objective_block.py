@@ -36,6 +36,77 @@ def electra_script(tmp_path):
     return script
 
 
+def block_copy(script, directory, *replacements):
+    """A copy of a Flax training script with each (old, new) replacement made once, inside its objective block."""
+    source = (Path(ROOT) / script).read_text()
+    start, end = source.index(START), source.index(END)
+    block = source[start:end]
+    for old, new in replacements:
+        assert block.count(old) == 1, old
+        block = block.replace(old, new)
+    copy = Path(directory) / Path(script).name.replace("run_", "my_")
+    copy.write_text(source[:start] + block + source[end:])
+    return copy
+
+
+# A causal LM that also scores, apart, its predictions of the training rows' most frequent tokens: state derived
+# from the rows to be trained on (build_collator), recorded for resumes (resume_checks), and a per-token key in the
+# batch that the model does not take and loss_sums reads.
+FREQUENT_TOKENS = (
+    (
+        '    keep_linebreaks: bool = arg(True, "Whether to keep line breaks when using TXT files or not.")\n',
+        '    keep_linebreaks: bool = arg(True, "Whether to keep line breaks when using TXT files or not.")\n'
+        '    frequent_tokens: int = arg(5, "How many of the most frequent training tokens to score apart.")\n',
+    ),
+    (
+        'SCORED_TOKENS = {"loss": "predicted_tokens"}',
+        'SCORED_TOKENS = {"loss": "predicted_tokens", "frequent": "frequent_tokens"}',
+    ),
+    (
+        "    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)\n",
+        "    values, counts = np.unique(np.concatenate(dataset['train']['input_ids']), return_counts=True)\n"
+        "    logger.info(f\"build_collator counted tokens in {len(dataset['train'])} rows\")\n"
+        "    frequent = sorted(values[np.argsort(-counts, kind='stable')[: data_args.frequent_tokens]].tolist())\n"
+        "    return (tokenizer.pad_token_id or 0), frequent\n",
+    ),
+    ('derives nothing from the data."""\n    return {}', '"""\n    return {\'frequent_tokens\': collator[1]}'),
+    (
+        "def collate_batch(pad_token_id, examples, seed, row_ids, num_rows):\n",
+        "def collate_batch(collator, examples, seed, row_ids, num_rows):\n    pad_token_id, frequent = collator\n",
+    ),
+    (
+        "    return batch\n",
+        "    batch['frequent'] = np.isin(batch['input_ids'], frequent).astype(np.int32)\n    return batch\n",
+    ),
+    (
+        '    return {"loss": (loss, count), "accuracy": (correct, count)}',
+        "    frequent = batch['frequent'][:, 1:] * mask\n"
+        "    frequent_sum, _, frequent_count = token_sums(logits[:, :-1], batch['input_ids'][:, 1:], frequent)\n"
+        '    return {"loss": (loss, count), "accuracy": (correct, count), "frequent": (frequent_sum, frequent_count)}',
+    ),
+)
+
+
+def test_a_block_derives_state_from_its_rows_checks_it_on_resume_and_collates_keys_of_its_own(
+    gpt2_dir, corpus, tmp_path
+):
+    """Through a copy of run_clm_flax.py (FREQUENT_TOKENS): build_collator sees the rows to be trained on
+    (--max_train_samples applied), a batch key that the model's __call__ does not name reaches loss_sums and not the
+    model, the extra pair's count is written, and a resume whose resume_checks differ is refused in one line."""
+    script = block_copy("flax/run_clm_flax.py", tmp_path, *FREQUENT_TOKENS)
+    out = tmp_path / "out"
+    steps = ("--per_device_train_batch_size", "4", "--max_train_samples", "40", "--save_steps", "2", "--do_train")
+    args = [*script_args(str(script), "gpt2", gpt2_dir, corpus, out, "--block_size", "32"), *steps, "--do_eval"]
+    result = check_ok(run([*args, "--max_steps", "2"]))
+    assert "build_collator counted tokens in 40 rows" in result.stderr
+    results = json.loads((out / "eval_results.json").read_text())
+    assert 0 < results["eval_frequent_tokens"] < results["eval_predicted_tokens"] and results["eval_frequent"] > 0
+    line = error_line(
+        run([*args, "--max_steps", "4", "--frequent_tokens", "3", "--resume_from_checkpoint"]), script.name
+    )
+    assert "was written for other data (resume_checks {'frequent_tokens': [" in line, line
+
+
 def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
     """Also: the copy refuses bad input and logs under its own name, never the original's."""
     from transformers import AutoTokenizer, ElectraConfig, FlaxElectraForMaskedLM, FlaxElectraForPreTraining
