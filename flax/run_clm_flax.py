@@ -563,8 +563,11 @@ def first_line(error):
 
 
 def check_hub_name(flag, name):
-    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached."""
-    if name is not None and not os.path.exists(name) and not hub_reachable():
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached, unless HF_HUB_OFFLINE=1
+    asks for the local cache (a name missing from it then fails in one line where it is loaded)."""
+    from huggingface_hub import constants
+
+    if name is not None and not os.path.exists(name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
         fail(
             f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
             "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
@@ -1130,7 +1133,8 @@ def load_config_and_tokenizer(model_args):
         )
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=args.use_fast_tokenizer, **kwargs)
     except (OSError, ValueError) as e:
-        fail(f"cannot load the config or tokenizer: {first_line(e)}")
+        names = f"{config_path or 'a new ' + args.model_type}, {tokenizer_source}"
+        fail(f"cannot load the config or tokenizer ({names}): {first_line(e)}")
     heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
     for refused, message in (

@@ -216,8 +216,11 @@ def hub_reachable(timeout=5.0):
 
 
 def check_hub_name(flag, name):
-    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached."""
-    if name is None or os.path.exists(name):
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached, unless HF_HUB_OFFLINE=1
+    asks for the local cache (a name missing from it then fails in one line where it is loaded)."""
+    from huggingface_hub import constants
+
+    if name is None or os.path.exists(name) or constants.HF_HUB_OFFLINE:
         return
     if not hub_reachable():
         fail(

@@ -109,7 +109,10 @@ def hub_reachable(timeout=5.0):
 
 
 def check_hub_name(flag, name):
-    if not os.path.exists(name) and not hub_reachable():
+    """A hub id must be reachable, or (HF_HUB_OFFLINE=1) in the local cache, which loading it then checks."""
+    from huggingface_hub import constants
+
+    if not os.path.exists(name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
         fail(
             f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
             "files instead (--train_file, and a tokenizer folder from tensorflow/train_unigram.py)"

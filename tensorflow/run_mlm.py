@@ -263,7 +263,10 @@ def hub_reachable(timeout=5.0):
 
 
 def check_hub_name(flag, name):
-    if not os.path.exists(name) and not hub_reachable():
+    """A hub id must be reachable, or (HF_HUB_OFFLINE=1) in the local cache, which loading it then checks."""
+    from huggingface_hub import constants
+
+    if not os.path.exists(name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
         fail(
             f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a local "
             "folder (tokenizers/create_config.py writes configs, tensorflow/train_unigram.py tokenizers)"

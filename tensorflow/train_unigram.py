@@ -141,7 +141,9 @@ def load_texts(args):
         if not texts:
             fail(f"--train_file {' '.join(args.train_file)}: no non-blank line to train on")
         return texts[: args.limit]
-    if not os.path.exists(args.dataset_name) and not hub_reachable():
+    from huggingface_hub import constants
+
+    if not os.path.exists(args.dataset_name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
         fail(
             f"--dataset_name {args.dataset_name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
             "pass --train_file with local text (see tokenizers/prepare_corpus.py)"

@@ -93,6 +93,16 @@ def check_names_itself(copy, log, output_dir):
     assert name.replace("my_", "run_")[:-3] not in log + written
 
 
+def hub_cache(home, repo_id, folder):
+    """The environment of a machine without internet whose Hugging Face cache (HF_HOME=home) holds `folder` as the
+    hub's model `repo_id`, laid out as a download leaves it (models--org--name/snapshots/<revision>, refs/main)."""
+    repo, revision = Path(home) / "hub" / f"models--{repo_id.replace('/', '--')}", "0123456789abcdef" * 2 + "01234567"
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+
+
 def check_ok(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

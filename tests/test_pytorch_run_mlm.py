@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import RELOAD_RTOL, bad_input, check_ok, error_line, load_script, run, script_args
+from conftest import RELOAD_RTOL, bad_input, check_ok, error_line, hub_cache, load_script, run, script_args
 
 SCRIPT = "pytorch/run_mlm.py"
 NO_DROPOUT = "hidden_dropout_prob=0,attention_probs_dropout_prob=0"
@@ -160,6 +160,21 @@ def test_saved_model_reloads_to_identical_eval(trained, tmp_path):
         results(out, "eval")["eval_loss"], rel=RELOAD_RTOL
     )
     assert results(tmp_path / "eval", "eval")["eval_accuracy"] == results(out, "eval")["eval_accuracy"]
+
+
+def test_a_hub_name_loads_offline_from_the_local_cache(trained, tmp_path):
+    """HF_HUB_OFFLINE=1 with the model downloaded beforehand (a cluster without internet): the hub name loads from the
+    cache and evaluates as its folder does."""
+    out, args, _ = trained
+    env = hub_cache(tmp_path / "hf", "org/tiny-roberta", out)
+    again = [a for a in args if a != "--do_train"] + ["--model_name_or_path", "org/tiny-roberta"]
+    for flag, value in (("--output_dir", tmp_path / "cached"), ("--config_name", "org/tiny-roberta")):
+        again[again.index(flag) + 1] = str(value)
+    again[again.index("--tokenizer_name") + 1] = "org/tiny-roberta"
+    check_ok(run(again, env=env))
+    assert results(tmp_path / "cached", "eval")["eval_loss"] == pytest.approx(
+        results(out, "eval")["eval_loss"], rel=RELOAD_RTOL
+    )
 
 
 def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):

@@ -5,7 +5,18 @@ import math
 import os
 
 import pytest
-from conftest import RELOAD_RTOL, ROOT, TWO_DEVICES, bad_input, check_ok, logged_losses, run, script_args
+from conftest import (
+    RELOAD_RTOL,
+    ROOT,
+    TWO_DEVICES,
+    bad_input,
+    check_ok,
+    error_line,
+    hub_cache,
+    logged_losses,
+    run,
+    script_args,
+)
 
 SCRIPT = "flax/run_mlm_flax.py"
 
@@ -242,4 +253,22 @@ def test_hub_names_while_offline(bad, tmp_path):
     assert "--dataset_name 'oscar-corpus/oscar'" in line and "--train_file" in line
     assert "--model_name_or_path 'roberta-base'" in bad("--model_name_or_path", "roberta-base", env=offline)
     assert "--push_to_hub" in bad("--push_to_hub", env=offline)
+
+
+def test_a_hub_name_loads_offline_from_the_local_cache(trained, corpus, tmp_path):
+    """HF_HUB_OFFLINE=1 with the model downloaded beforehand (a cluster without internet): the hub name loads from the
+    cache and evaluates as its folder does; a name the cache lacks is one line."""
+    out, _ = trained
+    env = hub_cache(tmp_path / "hf", "org/tiny-roberta", out)
+    args = mlm_args(
+        "org/tiny-roberta", corpus, tmp_path / "cached", "--do_eval", "--model_name_or_path", "org/tiny-roberta"
+    )
+    check_ok(run(args, env=env))
+    cached, first = (json.loads((d / "eval_results.json").read_text()) for d in (tmp_path / "cached", out))
+    assert cached["eval_masked_tokens"] == first["eval_masked_tokens"]
+    assert cached["eval_loss"] == pytest.approx(first["eval_loss"], rel=RELOAD_RTOL)
+    line = error_line(
+        run(mlm_args("org/missing", corpus, tmp_path / "missing", "--do_eval"), env=env), "run_mlm_flax.py"
+    )
+    assert "cannot load the config or tokenizer" in line and "org/missing" in line
     assert not (tmp_path / "out").exists()

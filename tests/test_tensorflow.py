@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import TINY_ROBERTA, check_ok, error_line, load_script, run
+from conftest import TINY_ROBERTA, check_ok, error_line, hub_cache, load_script, run
 
 MAX_LENGTH = 64
 OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
@@ -386,6 +386,27 @@ def test_missing_tokenizer_and_hub_offline(prepared, tmp_path):
         "train_unigram.py",
     )
     assert "--train_file" in line
+
+
+def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path):
+    """HF_HUB_OFFLINE=1 with the tokenizer and config downloaded beforehand (a cluster without internet): the shard
+    writer takes the tokenizer's hub name from the cache (the same shards as from its folder), and so does the
+    trainer, with the config's."""
+    env = hub_cache(tmp_path / "hf", "org/tf-tokenizer", prepared / "tokenizer")
+    hub_cache(tmp_path / "hf", "org/tf-config", prepared / "config")
+    shards = ["--train_file", str(corpus / "validation_slice.txt"), "--split", "validation", "--shard_size", "500"]
+    shards += ["--max_length", str(MAX_LENGTH), "--output_dir", str(tmp_path / "shards")]
+    check_ok(
+        run(
+            ["tensorflow/prepare_tfrecord_shards.py", "--tokenizer_name_or_path", "org/tf-tokenizer", *shards], env=env
+        )
+    )
+    ours, theirs = (sorted((d / "validation").iterdir()) for d in (tmp_path / "shards", prepared / "shards"))
+    assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in theirs]
+    args = mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_steps", "1", "--per_replica_batch_size", "8")
+    args[args.index("--pretrained_model_config") + 1] = "org/tf-config"
+    args[args.index("--tokenizer") + 1] = "org/tf-tokenizer"
+    check_ok(run(args, env=env))
 
 
 def test_shards_are_not_overwritten(prepared, corpus):
