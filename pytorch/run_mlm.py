@@ -772,10 +772,22 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
         padding = "max_length" if data_args.pad_to_max_length else False
 
         def tokenize_function(examples):
-            examples = [line for line in examples[text_column_name] if len(line) > 0 and not line.isspace()]
-            return tokenizer(
-                examples, return_special_tokens_mask=True, padding=padding, truncation=True, max_length=max_seq_length
+            """Each non-blank line's first max_seq_length tokens, and (fast tokenizers) how many it had and lost."""
+            lines = [line for line in examples[text_column_name] if len(line) > 0 and not line.isspace()]
+            rows = tokenizer(
+                lines,
+                return_special_tokens_mask=True,
+                padding=padding,
+                truncation=True,
+                max_length=max_seq_length,
+                return_overflowing_tokens=tokenizer.is_fast,  # the cut parts as extra rows of the same line
             )
+            line_of = rows.pop("overflow_to_sample_mapping", range(len(lines)))
+            counts = np.zeros((2, len(lines)), np.int64)  # tokens kept, tokens cut (special ones aside)
+            for row, (line, specials) in enumerate(zip(line_of, rows["special_tokens_mask"])):
+                counts[int(row > 0 and line == line_of[row - 1]), line] += len(specials) - sum(specials)
+            first = [row for row, line in enumerate(line_of) if row == 0 or line != line_of[row - 1]]
+            return {**{k: [v[row] for row in first] for k, v in rows.items()}, "kept": counts[0], "cut": counts[1]}
 
         steps = [(tokenize_function, "Running tokenizer on dataset line_by_line", column_names)]
     else:
@@ -795,6 +807,17 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
         for function, desc, remove in steps:
             extra = {} if data_args.streaming else dict(desc=desc, **map_kwargs)
             raw_datasets = raw_datasets.map(function, batched=True, remove_columns=remove, **extra)
+        if data_args.line_by_line:
+            for split, rows in raw_datasets.items() if not data_args.streaming else ():  # a stream cannot be counted
+                kept, cut = (np.asarray(rows[name]) for name in ("kept", "cut"))
+                if cut.any():
+                    logger.warning(
+                        f"--line_by_line: {np.count_nonzero(cut):,} of {len(cut):,} {split} lines are longer than "
+                        f"--max_seq_length {max_seq_length} and were cut, dropping {cut.sum():,} of their "
+                        f"{cut.sum() + kept[cut > 0].sum():,} tokens ({100 * cut.sum() / (cut.sum() + kept.sum()):.1f} % "
+                        f"of all {split} tokens); raise --max_seq_length to keep them"
+                    )
+            raw_datasets = raw_datasets.remove_columns(["kept", "cut"])
         # The example's index seeds its masks (see DataCollatorForMaskedLM).
         numbered = {}
         for split, dataset in raw_datasets.items():

@@ -367,6 +367,20 @@ def find_shards(flag, path, max_length):
     return records, num_samples
 
 
+def check_token_ids(flag, files, vocab_size):
+    """Shards written by another tokenizer hold ids past the vocabulary, which the model has no embedding for: the
+    first shard's largest id, checked before training (one preparation writes every shard with one tokenizer)."""
+    records = tf.data.TFRecordDataset(files[:1])
+    ids = (tf.train.Example.FromString(r.numpy()).features.feature["input_ids"].int64_list.value for r in records)
+    largest = max((max(row, default=0) for row in ids), default=0)
+    if largest >= vocab_size:
+        fail(
+            f"{flag} {files[0]} holds token id {largest}, but the tokenizer has {vocab_size} tokens: the shards were "
+            "written with another tokenizer; write them again with tensorflow/prepare_tfrecord_shards.py "
+            "--tokenizer_name_or_path and this --tokenizer"
+        )
+
+
 def prepare_dataset(
     records, decode_fn, mask_fn, batch_size, shuffle, shuffle_buffer_size=None, seed=None, drop_remainder=True
 ):
@@ -889,6 +903,8 @@ def main(argv=None):
     replicas = strategy.num_replicas_in_sync
     set_precision_and_seed(args, strategy_name)
     tokenizer, config = load_tokenizer_and_config(args, config_source)
+    for flag, records in (("--train_dataset", training_records), ("--eval_dataset", eval_records or [])):
+        check_token_ids(flag, records, len(tokenizer))
     batch_size, total_train_steps, warmup_steps, fit_epoch_steps = plan_steps(args, num_train_samples, replicas)
     model, schedule = create_model(args, config, strategy, total_train_steps, warmup_steps)
     logger.info(

@@ -177,6 +177,28 @@ def test_a_hub_name_loads_offline_from_the_local_cache(trained, tmp_path):
     )
 
 
+def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, tmp_path, caplog):
+    """--line_by_line keeps each line's first --max_seq_length tokens, as the tokenizer truncates, and says once per
+    split how many lines were cut and how many tokens that dropped."""
+    import datasets
+    import transformers
+
+    module = load_script(SCRIPT, "pytorch_run_mlm_line_by_line")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    lines = ["the company said its shares rose " * 20, "a short line"]
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": lines})})
+    data_args = module.DataTrainingArguments(line_by_line=True, max_seq_length=32)
+    training_args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    rows = module.preprocess(raw, data_args, training_args, tokenizer, 32)["train"]
+    assert rows.column_names == ["input_ids", "attention_mask", "special_tokens_mask", "example_id"]
+    assert rows["input_ids"] == tokenizer(lines, truncation=True, max_length=32).input_ids
+    cut = len(tokenizer(lines[0]).input_ids) - 32
+    message = (
+        f"--line_by_line: 1 of 2 train lines are longer than --max_seq_length 32 and were cut, dropping {cut:,} of"
+    )
+    assert sum(message in r.getMessage() for r in caplog.records) == 1
+
+
 def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
     """--streaming (an IterableDataset: needs --max_steps) with --line_by_line (one example per line,
     padded per batch): the other preprocessing path, end to end."""

@@ -13,6 +13,7 @@ from conftest import (
     check_ok,
     error_line,
     hub_cache,
+    load_script,
     logged_losses,
     run,
     script_args,
@@ -253,6 +254,32 @@ def test_hub_names_while_offline(bad, tmp_path):
     assert "--dataset_name 'oscar-corpus/oscar'" in line and "--train_file" in line
     assert "--model_name_or_path 'roberta-base'" in bad("--model_name_or_path", "roberta-base", env=offline)
     assert "--push_to_hub" in bad("--push_to_hub", env=offline)
+
+
+def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, caplog):
+    """--line_by_line keeps each line's first --max_seq_length tokens, as the tokenizer truncates, and says once per
+    split how many lines were cut and how many tokens that dropped."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    script = load_script(SCRIPT, "line_by_line_run_mlm_flax")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lines = ["the company said its shares rose " * 20, "a short line", "   ", "the market fell " * 10]
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": lines})})
+    args = script.DataTrainingArguments(line_by_line=True, max_seq_length=32)
+    rows = script.preprocess(raw, args, tokenizer, 32)["train"]
+    kept = [line for line in lines if not line.isspace()]
+    truncated = tokenizer(kept, truncation=True, max_length=32, return_special_tokens_mask=True)
+    assert rows.column_names == ["input_ids", "attention_mask", "special_tokens_mask"]
+    assert all(rows[name] == truncated[name] for name in rows.column_names)
+    content = [len(ids) - 2 for ids in tokenizer(kept).input_ids]  # <s> and </s> aside
+    cut = sum(n - 30 for n in content if n > 30)
+    warnings = [r.getMessage() for r in caplog.records if "--line_by_line" in r.getMessage()]
+    assert warnings == [
+        f"--line_by_line: 2 of 3 train lines are longer than --max_seq_length 32 and were cut, dropping {cut:,} of "
+        f"their {cut + 60:,} tokens ({100 * cut / sum(content):.1f} % of all train tokens); raise --max_seq_length to "
+        "keep them"
+    ]
 
 
 def test_a_hub_name_loads_offline_from_the_local_cache(trained, corpus, tmp_path):

@@ -409,6 +409,15 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
     check_ok(run(args, env=env))
 
 
+def test_shards_of_another_tokenizer_are_refused(prepared, tiny_model_dir, tmp_path):
+    """Shards written with a 2,000-token tokenizer, trained with a 1,000-token one: ids past the vocabulary, refused
+    in one line before training."""
+    result = run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir)))
+    line = error_line(result, "run_mlm.py")
+    assert "--train_dataset" in line and "but the tokenizer has 1000 tokens" in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_shards_are_not_overwritten(prepared, corpus):
     before = sorted(p.name for p in (prepared / "shards" / "validation").iterdir())
     line = error_line(
