@@ -207,7 +207,8 @@ def validate_objective(data_args):
 
 
 def fit_objective(config, tokenizer, source):
-    """Refuses, in one line, a tokenizer this objective cannot use."""
+    """Refuses, in one line, a tokenizer this objective cannot use. Runs before the vocabulary checks: an objective
+    may add tokens here and raise config.vocab_size (a pretrained model's embeddings then grow to match)."""
     if tokenizer.eos_token_id is None:
         fail(f"tokenizer {source!r} has no EOS token, which span corruption appends")
     if count_sentinels(tokenizer) == 0:
@@ -1303,8 +1304,8 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
 
 
 def load_config_and_tokenizer(model_args):
-    """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, checked
-    against each other and fitted to the objective (fit_objective)."""
+    """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, fitted to the
+    objective (fit_objective), then checked against each other."""
     args = model_args
     kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
     config_path = args.config_name or args.model_name_or_path
@@ -1321,6 +1322,7 @@ def load_config_and_tokenizer(model_args):
     except (OSError, ValueError) as e:
         names = f"{config_path or 'a new ' + args.model_type}, {tokenizer_source}"
         fail(f"cannot load the config or tokenizer ({names}): {first_line(e)}")
+    fit_objective(config, tokenizer, tokenizer_source)  # may add tokens and grow config.vocab_size first
     heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
     for refused, message in (
@@ -1339,7 +1341,6 @@ def load_config_and_tokenizer(model_args):
     ):
         if refused:
             fail(message)
-    fit_objective(config, tokenizer, tokenizer_source)
     return config, tokenizer
 
 
@@ -1351,14 +1352,22 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     if path and not abstract:
+        hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+        try:  # weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow
+            saved = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code, **hub).vocab_size
+        except (OSError, ValueError):  # weights without a config of their own: loaded at the config's size
+            saved = config.vocab_size
+        loaded = (
+            type(config).from_dict({**config.to_dict(), "vocab_size": saved}) if saved < config.vocab_size else config
+        )
         try:
-            model, params = model_class.from_pretrained(
-                path, config=config, cache_dir=model_args.cache_dir, token=model_args.token, **kwargs
-            )
+            model, params = model_class.from_pretrained(path, config=loaded, **hub, **kwargs)
         except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
             fail(
                 f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?"
             )
+        if loaded is not config:
+            model, params = grow_vocabulary(model_class, config, params, kwargs, saved)
     else:
         model = model_class.from_config(config, **kwargs)
         init = functools.partial(model.init_weights, model.key, model.input_shape)
@@ -1367,6 +1376,25 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     return model, params
+
+
+def grow_vocabulary(model_class, config, params, kwargs, old_size):
+    """A pretrained model's parameters grown from old_size to config.vocab_size tokens (fit_objective added some), as
+    PyTorch's resize_token_embeddings grows them: every array with an axis of the old vocabulary (embeddings, an
+    untied head, its bias) keeps its rows, and the new rows are the model's own initialisation."""
+    model = model_class.from_config(config, **kwargs)
+    fresh = traverse_util.flatten_dict(jax.jit(functools.partial(model.init_weights, model.key, model.input_shape))())
+
+    def grow(name, old):
+        new = fresh[name]
+        axes = [d for d in range(new.ndim) if new.shape[d] != old.shape[d]]
+        if not axes:
+            return old
+        return jnp.concatenate([old, lax.slice_in_dim(new, old.shape[axes[0]], None, axis=axes[0])], axis=axes[0])
+
+    grown = {name: grow(name, old) for name, old in traverse_util.flatten_dict(params).items()}
+    logger.info(f"the vocabulary grew from {old_size} to {config.vocab_size} tokens: new embedding rows initialised")
+    return model, traverse_util.unflatten_dict(grown)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from conftest import (
     check_ok,
     error_line,
     kill_after_first_checkpoint,
+    load_script,
     losses_by_step,
     run,
     script_args,
@@ -105,6 +106,39 @@ def test_a_block_derives_state_from_its_rows_checks_it_on_resume_and_collates_ke
         run([*args, "--max_steps", "4", "--frequent_tokens", "3", "--resume_from_checkpoint"]), script.name
     )
     assert "was written for other data (resume_checks {'frequent_tokens': [" in line, line
+
+
+def test_fit_objective_grows_the_vocabulary_and_a_pretrained_models_embeddings(tiny_model_dir, tmp_path):
+    """A block whose fit_objective adds a special token: the config grows before the vocabulary checks, and a
+    pretrained model's embeddings and head bias grow with it, keeping their rows, the new one initialised."""
+    import numpy as np
+    import transformers
+    from flax.traverse_util import flatten_dict
+
+    pretrained = tmp_path / "pretrained"
+    shutil.copytree(tiny_model_dir, pretrained)
+    transformers.FlaxAutoModelForMaskedLM.from_config(
+        transformers.AutoConfig.from_pretrained(pretrained), seed=1
+    ).save_pretrained(pretrained)
+    adds_a_token = (
+        '        fail(f"tokenizer {source!r} has no mask token, which masked language modelling needs")\n',
+        '        fail(f"tokenizer {source!r} has no mask token, which masked language modelling needs")\n'
+        "    tokenizer.add_special_tokens({'additional_special_tokens': ['<extra>']})\n"
+        "    config.vocab_size = max(config.vocab_size, len(tokenizer))\n",
+    )
+    script = load_script(str(block_copy("flax/run_mlm_flax.py", tmp_path, adds_a_token)), "grows_its_vocabulary")
+    model_args = script.ModelArguments(model_name_or_path=str(pretrained))
+    config, tokenizer = script.load_config_and_tokenizer(model_args)
+    assert len(tokenizer) == config.vocab_size == 1001
+    training_args = script.TrainingArguments(output_dir=str(tmp_path / "out"))
+    params = flatten_dict(script.build_model(model_args, training_args, config, abstract=False)[1])
+    before = flatten_dict(transformers.FlaxAutoModelForMaskedLM.from_pretrained(pretrained, _do_init=False)[1])
+    grown = sorted("/".join(name) for name in params if params[name].shape != before[name].shape)
+    assert grown == ["lm_head/bias", "roberta/embeddings/word_embeddings/embedding"], grown
+    for name, value in params.items():
+        np.testing.assert_array_equal(np.asarray(value)[tuple(slice(0, n) for n in before[name].shape)], before[name])
+    new_row = np.asarray(params["roberta", "embeddings", "word_embeddings", "embedding"])[1000]
+    assert 0.5 * config.initializer_range < new_row.std() < 2 * config.initializer_range  # the model's own init
 
 
 def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
