@@ -103,6 +103,20 @@ def hub_cache(home, repo_id, folder):
     return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
 
 
+def datasets_cache(home, repo_id, files):
+    """hub_cache's environment, for a dataset: the hub's dataset `repo_id` (text, its splits from `files`) in the
+    datasets cache under `home`, laid out as a load of it online leaves it (namespace___name/default/0.0.0/<hash>)."""
+    import datasets
+
+    built = datasets.load_dataset("text", data_files={k: str(v) for k, v in files.items()}, cache_dir=str(home / "b"))
+    source = Path(built["train"].cache_files[0]["filename"]).parent
+    target = Path(home) / "datasets" / repo_id.replace("/", "___") / "default" / "0.0.0" / source.name
+    shutil.copytree(source, target)
+    for split in files:
+        (target / f"text-{split}.arrow").rename(target / f"{repo_id.split('/')[1]}-{split}.arrow")
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+
+
 def check_ok(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result

@@ -11,6 +11,7 @@ from conftest import (
     TWO_DEVICES,
     bad_input,
     check_ok,
+    datasets_cache,
     error_line,
     hub_cache,
     load_script,
@@ -254,6 +255,21 @@ def test_hub_names_while_offline(bad, tmp_path):
     assert "--dataset_name 'oscar-corpus/oscar'" in line and "--train_file" in line
     assert "--model_name_or_path 'roberta-base'" in bad("--model_name_or_path", "roberta-base", env=offline)
     assert "--push_to_hub" in bad("--push_to_hub", env=offline)
+
+
+def test_a_dataset_name_loads_offline_from_the_datasets_cache(tiny_model_dir, corpus, tmp_path):
+    """HF_HUB_OFFLINE=1 with a --dataset_name loaded once before (the datasets cache, as on a cluster without
+    internet): it trains and evaluates from the cache exactly as from the same text files."""
+    files = {"train": corpus / "train_slice.txt", "validation": corpus / "validation_slice.txt"}
+    env = datasets_cache(tmp_path / "hf", "org/ptb-slice", files)
+    steps = ("--do_train", "--do_eval", "--max_steps", "2", "--per_device_train_batch_size", "8")
+    check_ok(run(mlm_args(tiny_model_dir, corpus, tmp_path / "files", *steps)))
+    args = mlm_args(tiny_model_dir, corpus, tmp_path / "cached", *steps, "--dataset_name", "org/ptb-slice")
+    for flag in ("--train_file", "--validation_file"):
+        del args[args.index(flag) : args.index(flag) + 2]
+    check_ok(run(args, env=env))
+    cached, first = (json.loads((tmp_path / d / "eval_results.json").read_text()) for d in ("cached", "files"))
+    assert cached["eval_samples"] == first["eval_samples"] and cached["eval_loss"] == first["eval_loss"]
 
 
 def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, caplog):
