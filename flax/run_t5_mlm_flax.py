@@ -84,6 +84,15 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
+from transformers.utils import (
+    FLAX_WEIGHTS_INDEX_NAME,
+    FLAX_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    cached_file,
+)
 
 from flax import traverse_util
 
@@ -1352,22 +1361,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     if path and not abstract:
-        hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
-        try:  # weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow
-            saved = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code, **hub).vocab_size
-        except (OSError, ValueError):  # weights without a config of their own: loaded at the config's size
-            saved = config.vocab_size
-        loaded = (
-            type(config).from_dict({**config.to_dict(), "vocab_size": saved}) if saved < config.vocab_size else config
-        )
-        try:
-            model, params = model_class.from_pretrained(path, config=loaded, **hub, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
-            fail(
-                f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?"
-            )
-        if loaded is not config:
-            model, params = grow_vocabulary(model_class, config, params, kwargs, saved)
+        model, params = load_pretrained(model_class, config, path, model_args, kwargs)
     else:
         model = model_class.from_config(config, **kwargs)
         init = functools.partial(model.init_weights, model.key, model.input_shape)
@@ -1375,6 +1369,39 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
         params = shapes if abstract else jax.jit(init, out_shardings=state_shardings(shapes, make_mesh(fsdp), fsdp))()
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
+    return model, params
+
+
+def load_pretrained(model_class, config, path, model_args, kwargs):
+    """A pretrained model and its parameters from `path` (a folder, or a hub name): its Flax weights, or else its
+    PyTorch ones (pytorch_model.bin, sharded or not, or model.safetensors), converted as transformers' from_pt does.
+    Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
+    hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
+    names = (FLAX_WEIGHTS_NAME, FLAX_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+    names += (SAFE_WEIGHTS_INDEX_NAME,)
+    maybe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
+    found = [name for name in names if cached_file(path, name, **hub, **maybe)]
+    if not found:
+        fail(f"cannot load the model {path!r}: it holds no weights file (looked for {', '.join(names)})")
+    try:
+        saved = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code, **hub).vocab_size
+    except (OSError, ValueError):  # weights without a config of their own: loaded at the config's size
+        saved = config.vocab_size
+    loaded = type(config).from_dict({**config.to_dict(), "vocab_size": saved}) if saved < config.vocab_size else config
+    try:
+        if found[0].startswith("flax_model"):
+            model, params = model_class.from_pretrained(path, config=loaded, **hub, **kwargs)
+        else:  # transformers converts PyTorch weights only into a model that holds initialised parameters
+            logger.info(f"{path} has no Flax weights: converting its PyTorch weights ({found[0]})")
+            eager = {**kwargs, "_do_init": True}
+            pretrained = model_class.from_pretrained(path, config=loaded, from_pt=True, **hub, **eager)
+            model, params = model_class.from_config(loaded, **kwargs), pretrained.params
+    except ImportError as e:
+        fail(f"cannot load the model {path!r}: its {found[0]} needs PyTorch to convert ({e}); pip install torch")
+    except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
+        fail(f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?")
+    if loaded is not config:
+        model, params = grow_vocabulary(model_class, config, params, kwargs, saved)
     return model, params
 
 

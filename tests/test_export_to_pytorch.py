@@ -62,3 +62,67 @@ def test_export_bad_input(tmp_path, tiny_model_dir):
         run(["flax/export_to_pytorch.py", "--model_dir", str(tiny_model_dir), "--output_dir", str(tmp_path / "x")]),
         "export_to_pytorch.py",
     )
+
+
+def test_flax_scripts_start_from_pytorch_weights(gpt2_dir, tiny_model_dir, corpus, tmp_path):
+    """A model folder holding only PyTorch weights (pytorch_model.bin, sharded or not, or model.safetensors), as most
+    published models are stored: the Flax scripts convert it, to the same parameters from every format, and the loss
+    equals the PyTorch model's own on the same batch; MLM and CLM train from it. A folder with no weights is one line
+    naming the files looked for."""
+    import jax
+    import transformers
+
+    script = load_script("flax/run_clm_flax.py", "from_pytorch_run_clm_flax")
+    config = transformers.AutoConfig.from_pretrained(gpt2_dir)
+    torch.manual_seed(0)
+    pt_model = transformers.GPT2LMHeadModel(config).eval()
+    formats = {"bin": dict(safe_serialization=False), "safetensors": {}}
+    formats["sharded"] = dict(safe_serialization=False, max_shard_size="200KB")
+    for name, kwargs in formats.items():
+        pt_model.save_pretrained(tmp_path / name, **kwargs)
+        transformers.AutoTokenizer.from_pretrained(gpt2_dir).save_pretrained(tmp_path / name)
+    assert len(list((tmp_path / "sharded").glob("pytorch_model-*.bin"))) > 1
+    ids = np.random.default_rng(0).integers(5, config.vocab_size, size=(2, 24)).astype(np.int32)
+    with torch.no_grad():
+        expected = float(pt_model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long()).loss)
+    training_args = script.TrainingArguments(output_dir=str(tmp_path / "out"))
+    converted = []
+    for name in formats:
+        model_args = script.ModelArguments(model_name_or_path=str(tmp_path / name))
+        model, params = script.build_model(
+            model_args, training_args, script.load_config_and_tokenizer(model_args)[0], False
+        )
+        converted.append([np.asarray(x) for x in jax.tree_util.tree_leaves(params)])
+        sums = script.loss_sums(
+            model, params, {"input_ids": ids, "attention_mask": np.ones_like(ids)}, None, False, False
+        )
+        # Two frameworks' float32 kernels: logits agree to about 1e-6 (above), so the mean cross-entropy too.
+        assert float(sums["loss"][0] / sums["loss"][1]) == pytest.approx(expected, rel=1e-5), name
+    assert all(all((a == b).all() for a, b in zip(converted[0], other, strict=True)) for other in converted[1:])
+    config.save_pretrained(tmp_path / "none")
+    with pytest.raises(
+        SystemExit, match=r"holds no weights file \(looked for flax_model.msgpack, .*model.safetensors"
+    ):
+        script.build_model(
+            script.ModelArguments(model_name_or_path=str(tmp_path / "none")), training_args, config, False
+        )
+
+    roberta = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    transformers.RobertaForMaskedLM(roberta).save_pretrained(tmp_path / "roberta", safe_serialization=False)
+    for script_path, folder in (
+        ("flax/run_mlm_flax.py", tmp_path / "roberta"),
+        ("flax/run_clm_flax.py", tmp_path / "safetensors"),
+    ):
+        tokenizer = tiny_model_dir if folder.name == "roberta" else gpt2_dir
+        length = "--max_seq_length" if "mlm" in script_path else "--block_size"
+        args = [
+            script_path,
+            "--output_dir",
+            str(tmp_path / f"trained-{folder.name}"),
+            "--model_name_or_path",
+            str(folder),
+        ]
+        args += ["--tokenizer_name", str(tokenizer), "--train_file", str(corpus / "train_slice.txt"), length, "32"]
+        result = check_ok(run([*args, "--do_train", "--max_steps", "2", "--report_to", "none"]))
+        assert "has no Flax weights: converting its PyTorch weights" in result.stderr
+        assert (tmp_path / f"trained-{folder.name}" / "flax_model.msgpack").is_file()
