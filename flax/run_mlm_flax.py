@@ -276,7 +276,9 @@ def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
             desc="Running tokenizer on dataset line_by_line",
             **map_kwargs,
         )
-        for split, rows in tokenized.items() if not data_args.streaming else ():  # a stream cannot be counted ahead
+        if data_args.streaming:  # a stream cannot be counted ahead
+            return tokenized.map(lambda rows: rows, batched=True, remove_columns=["kept", "cut"])
+        for split, rows in tokenized.items():
             kept, cut = (np.asarray(rows[name]) for name in ("kept", "cut"))
             if cut.any():
                 logger.warning(
