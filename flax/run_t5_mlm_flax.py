@@ -84,15 +84,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
-from transformers.utils import (
-    FLAX_WEIGHTS_INDEX_NAME,
-    FLAX_WEIGHTS_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    cached_file,
-)
 
 from flax import traverse_util
 
@@ -1377,10 +1368,10 @@ def load_pretrained(model_class, config, path, model_args, kwargs):
     PyTorch ones (pytorch_model.bin, sharded or not, or model.safetensors), converted as transformers' from_pt does.
     Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
     hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
-    names = (FLAX_WEIGHTS_NAME, FLAX_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
-    names += (SAFE_WEIGHTS_INDEX_NAME,)
+    files = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
+    names = [name for weights in files for name in (weights, f"{weights}.index.json")]
     maybe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
-    found = [name for name in names if cached_file(path, name, **hub, **maybe)]
+    found = [name for name in names if transformers.utils.cached_file(path, name, **hub, **maybe)]
     if not found:
         fail(f"cannot load the model {path!r}: it holds no weights file (looked for {', '.join(names)})")
     try:
