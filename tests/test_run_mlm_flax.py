@@ -272,7 +272,7 @@ def test_a_dataset_name_loads_offline_from_the_datasets_cache(tiny_model_dir, co
     assert cached["eval_samples"] == first["eval_samples"] and cached["eval_loss"] == first["eval_loss"]
 
 
-def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, caplog):
+def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, corpus, tmp_path, caplog):
     """--line_by_line keeps each line's first --max_seq_length tokens, as the tokenizer truncates, and says once per
     split how many lines were cut and how many tokens that dropped."""
     import datasets
@@ -296,6 +296,15 @@ def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, caplog):
         f"their {cut + 60:,} tokens ({100 * cut / sum(content):.1f} % of all train tokens); raise --max_seq_length to "
         "keep them"
     ]
+    # And as a user runs it: the same line, before any long work (--dump_noised_examples stops after the data).
+    (tmp_path / "long.txt").write_text("\n".join(lines) + "\n")
+    args = mlm_args(
+        tiny_model_dir, corpus, tmp_path / "out", "--do_train", "--line_by_line", "--dump_noised_examples", "1"
+    )
+    args += ["--per_device_train_batch_size", "1"]
+    args[args.index("--train_file") + 1] = str(tmp_path / "long.txt")
+    args[args.index("--max_seq_length") + 1] = "32"
+    assert warnings[0] in check_ok(run(args)).stderr
 
 
 def test_a_hub_name_loads_offline_from_the_local_cache(trained, corpus, tmp_path):

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import TINY_ROBERTA, check_ok, error_line, hub_cache, load_script, run
+from conftest import TINY_ROBERTA, check_ok, datasets_cache, error_line, hub_cache, load_script, run
 
 MAX_LENGTH = 64
 OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
@@ -414,6 +414,11 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
     args[args.index("--pretrained_model_config") + 1] = "org/tf-config"
     args[args.index("--tokenizer") + 1] = "org/tf-tokenizer"
     check_ok(run(args, env=env))
+    # A --dataset_name loaded once before, from the datasets cache.
+    datasets_cache(tmp_path / "hf", "org/ptb-slice", {"train": corpus / "validation_slice.txt"})
+    unigram = ["--dataset_name", "org/ptb-slice", "--dataset_config", "default", "--vocab_size", "300"]
+    check_ok(run(["tensorflow/train_unigram.py", *unigram, "--output_dir", str(tmp_path / "unigram")], env=env))
+    assert (tmp_path / "unigram" / "tokenizer.json").is_file()
 
 
 def test_shards_of_another_tokenizer_are_refused(prepared, tiny_model_dir, tmp_path):
