@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -125,17 +124,6 @@ def test_gradient_accumulation_equals_the_larger_batch(path, no_dropout, request
     # Later, Adam moves a weight whose gradient is within rounding of zero by up to the learning rate either way, but
     # such a weight changes the loss by its near-zero gradient times that step: the losses stay close (measured 1e-7).
     np.testing.assert_allclose(accumulated[0], one_batch[0], rtol=1e-4)
-
-
-def test_a_log_line_averages_over_its_tokens_not_its_steps():
-    """A logged mean is over the window's tokens, its steps' sums and counts added (as evaluation does), so a step in
-    which a metric scores no token does not drag it down (the mean of per-step means gave (0 + 3) / 2)."""
-    script = load_script(MLM, "log_window_run_mlm_flax")
-    window = [{"loss": [0.0, 0.0], "accuracy": [0.0, 0.0]}, {"loss": [6.0, 2.0], "accuracy": [1.0, 2.0]}]
-    progress = script.TrainingProgress(global_step=2, log_window=window)
-    plan = types.SimpleNamespace(steps_per_epoch=2, total_steps=2, num_devices=1)
-    means = script.log_training(progress, {"learning_rate": 1e-3, "grad_norm": 1.0}, plan, script.Loop(0), None, None)
-    assert means == {"loss": 3.0, "accuracy": 0.5} and progress.log_window == []
 
 
 def test_trainer_compatible_logs_and_results(request, corpus, tmp_path):

@@ -189,3 +189,46 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
     assert "unknown argument --no_such_flag" in line
     written = "".join(p.read_text() for p in full.rglob("*") if p.is_file() and p.suffix in (".json", ".txt"))
     assert "run_mlm_flax" not in log + killed_log + resumed_log + written
+
+
+# A causal LM that also scores the tokens of row 0 apart, each counted as 1.0 (a mean of exactly 1 wherever the row
+# is in the batch), and logs the seed each collate_batch receives.
+FIRST_ROW = (
+    (
+        'SCORED_TOKENS = {"loss": "predicted_tokens"}',
+        'SCORED_TOKENS = {"loss": "predicted_tokens", "first": "row_0_tokens"}',
+    ),
+    (
+        "    return batch\n",
+        "    logger.info(f'collate_batch seed {seed}')\n"
+        "    batch['first'] = batch['attention_mask'] * np.isin(np.arange(num_rows), np.flatnonzero(np.asarray(row_ids) == 0))[:, None]\n"
+        "    return batch\n",
+    ),
+    (
+        '    return {"loss": (loss, count), "accuracy": (correct, count)}',
+        "    first = (batch['first'][:, 1:] * mask).sum()\n"
+        '    return {"loss": (loss, count), "accuracy": (correct, count), "first": (first, first)}',
+    ),
+)
+
+
+def test_the_collators_seed_and_a_metric_absent_from_most_steps_through_a_copy(gpt2_dir, corpus, tmp_path):
+    """Through a copy of run_clm_flax.py (FIRST_ROW): collate_batch's seed is (--seed, epoch) in training, a streamed
+    pass being an epoch, and (--seed,) in evaluation; a log line averages over its window's tokens, so a metric scored
+    in one step of ten logs its mean (1), not the mean of ten per-step means (0.1)."""
+    script = block_copy("flax/run_clm_flax.py", tmp_path, *FIRST_ROW)
+    args = script_args(str(script), "gpt2", gpt2_dir, corpus, tmp_path / "out", "--block_size", "32", "--seed", "7")
+    args += ["--overwrite_output_dir"]
+    args += ["--per_device_train_batch_size", "4", "--max_train_samples", "40", "--logging_steps", "10"]
+    args += ["--max_eval_samples", "20", "--do_train", "--save_steps", "100"]
+    for extra, seeds in (
+        (["--do_eval", "--num_train_epochs", "2"], ["(7, 0)", "(7,)", "(7, 1)", "(7,)"]),
+        (["--streaming", "--max_steps", "20"], ["(7, 0)", "(7, 1)"]),
+    ):
+        result = check_ok(run([*args, *extra]))
+        logged = re.findall(r"collate_batch seed (\([^)]*\))", result.stderr)
+        assert [s for i, s in enumerate(logged) if i == 0 or s != logged[i - 1]] == seeds, logged
+        assert re.findall(r"\| first ([0-9.]+)", result.stdout + result.stderr) == ["1.0000", "1.0000"]
+        if "--do_eval" in extra:
+            results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+            assert results["eval_first"] == 1 and 0 < results["eval_row_0_tokens"] < results["eval_predicted_tokens"]
