@@ -7,6 +7,7 @@
 #   bash run.sh setup   only create/refresh the main virtual environment (.venv, or $VENV)
 #   bash run.sh setup-xla  only create/refresh the PyTorch/XLA environment (.venv-xla, or $VENV_XLA):
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
+#   bash run.sh setup-tpu  only install libtpu into .libtpu, for --compile_topology (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -33,6 +34,17 @@ make_venv() {
 }
 setup() { make_venv "$VENV" requirements.txt 2 6; }
 setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3 10; }
+# libtpu, XLA's TPU compiler, for the Flax scripts' --compile_topology (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so):
+# in a folder of its own, since jax in .venv would look for a TPU at every start if libtpu were installed there.
+setup_tpu() {
+  local want
+  want=$(sha256sum flax/requirements-tpu.txt | cut -d' ' -f1)
+  if [ "$want" != "$(cat .libtpu/.requirements.sha256 2>/dev/null || true)" ]; then
+    echo "Installing flax/requirements-tpu.txt into .libtpu (about 1 minute the first time, 0.7 GB) ..."
+    "$PY" -m pip install --quiet --disable-pip-version-check --upgrade --target .libtpu -r flax/requirements-tpu.txt
+    echo "$want" > .libtpu/.requirements.sha256
+  fi
+}
 
 main_job() {
   local data=data/ptb out=out/main
@@ -54,9 +66,10 @@ main_job() {
 case "${1:-}" in
   setup) setup ;;
   setup-xla) setup_xla ;;
+  setup-tpu) setup; setup_tpu ;;
   main) setup; main_job ;;
   # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once), longest first
   # (tests/conftest.py).
-  test) shift; setup; setup_xla; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
-  *) echo "usage: bash run.sh {main|test|setup|setup-xla}" >&2; exit 2 ;;
+  test) shift; setup; setup_xla; setup_tpu; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
+  *) echo "usage: bash run.sh {main|test|setup|setup-xla|setup-tpu}" >&2; exit 2 ;;
 esac

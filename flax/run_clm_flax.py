@@ -26,6 +26,8 @@ Differs from upstream:
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 - `--streaming`: the data read, tokenized and shuffled (windows of `--shuffle_buffer_size`) as training goes, each
   process its own share, on a thread beside the step; resumes exactly too.
+- `--compile_topology v3-8`: the steps compiled for a TPU slice on this machine (libtpu, no TPU): memory a device
+  against the chip's HBM and XLA's time estimate; nothing is trained.
 """
 
 import atexit
@@ -37,6 +39,7 @@ import difflib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -53,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +79,7 @@ from etils import epath
 from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
-from jax.experimental import multihost_utils
+from jax.experimental import multihost_utils, topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -132,6 +135,7 @@ class TrainingArguments:
     hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
     hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
+    compile_topology: str | None = arg(None, "Only compile the steps for a TPU slice (v3-8): memory and time.")
 
     def __post_init__(self):
         if self.output_dir is not None:
@@ -299,6 +303,8 @@ def loss_sums(model, params, batch, rng, train, bf16):
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args.log_level)
+    if training_args.compile_topology:  # reads no data, trains nothing
+        return compile_for_topology(model_args, data_args, training_args)
     validate_args(model_args, data_args, training_args)
     checkpoints = find_checkpoint(training_args, model_args)
     lock = start_process(model_args, training_args)
@@ -384,7 +390,8 @@ def make_train_step(model, schedule, bf16, seed, state):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
         return {name: sums[name][0] for name in LOSS_TERMS}, sums
 
-    loss_fn = jax.checkpoint(loss_fn, policy=save_all_but_transcendentals)
+    if next(iter(jax.tree.leaves(state)[0].sharding.device_set)).platform == "cpu":  # measured there; else as upstream
+        loss_fn = jax.checkpoint(loss_fn, policy=save_all_but_transcendentals)
 
     def grads_fn(params, batch, rng):
         """loss_sums' sums, and the gradient of each loss term's sum (one forward pass, one backward pass a term)."""
@@ -1469,6 +1476,148 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
+# --- --compile_topology: the steps compiled for a TPU slice, on this machine ---------------------------------------
+# HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e),
+# by the device_kind libtpu reports; a chip's devices (two v2, v3 or v4 cores) share it.
+TPU_HBM_GIB = {"TPU v2": 16, "TPU v3": 32, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+
+
+def topology_devices(name):
+    """The devices of the TPU slice `name`, from libtpu (TPU_LIBRARY_PATH, or the libtpu package): no TPU needed."""
+    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
+        fail(
+            "--compile_topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
+            "bash run.sh setup-tpu and TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so"
+        )
+    quiet = dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v3-8", TPU_WORKER_HOSTNAMES="localhost")
+    quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
+    for variable, value in quiet.items():  # no cloud metadata to ask, none needed to compile
+        os.environ.setdefault(variable, value)
+    os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the TPU program
+    jax.config.update("jax_platforms", "cpu")  # the TPU is a target to compile for, not a backend to look for
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # noqa: BLE001 (libtpu raises XlaRuntimeError)
+        fail(
+            f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, "
+            "such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, v6e:2x2"
+        )
+
+
+def compile_for_topology(model_args, data_args, training_args):
+    """--compile_topology: the train step (--do_train) and eval step (--do_eval) this run would execute, compiled for
+    a TPU slice on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
+    memory XLA plans against the chip's HBM, and XLA's estimate of the step's FLOPs and time. Reads the config and
+    tokenizer and tokenizes a few lines of its own: no data. Exits 1 when a step does not fit."""
+    args, micro = training_args, training_args.gradient_accumulation_steps
+    if not (args.do_train or args.do_eval):
+        fail("nothing to compile: pass --do_train and/or --do_eval")
+    validate_objective(data_args)
+    config, tokenizer = load_config_and_tokenizer(model_args)
+    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
+    fit_attention(config, max_seq_length)
+    devices = topology_devices(args.compile_topology)
+    train_rows, eval_rows = (
+        len(devices) * args.per_device_train_batch_size,
+        len(devices) * args.per_device_eval_batch_size,
+    )
+    rows = synthetic_rows(data_args, tokenizer, max_seq_length, max(train_rows * micro, eval_rows))
+    mesh, total_steps = make_mesh(args.fsdp, devices), max(args.max_steps, 1)
+    plan = TrainingPlan(mesh, len(devices), len(devices), 0, train_rows * micro, eval_rows, total_steps=total_steps)
+    collator = build_collator(data_args, config, tokenizer, max_seq_length, rows)
+    model, state, schedule = build_train_state(model_args, args, config, plan, abstract=True)
+    bf16, seed, steps = model_args.dtype == "bfloat16", args.seed, {}
+    abstract = lambda batch, spec: {  # noqa: E731
+        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)) for k, x in batch.items()
+    }
+    if args.do_train:
+        batch = collate_batch(
+            collator,
+            rows["train"][: plan.train_batch_size],
+            (seed, 0),
+            np.arange(plan.train_batch_size),
+            plan.train_batch_size,
+        )
+        batch = {k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}
+        step = make_train_step(model, schedule, bf16, seed, state)
+        steps["train"] = (step, (state, abstract(batch, PartitionSpec(None, ("replica", "fsdp")))), micro)
+    if args.do_eval:
+        batch = collate_batch(collator, rows["train"][:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+        steps["eval"] = (
+            make_eval_step(model, bf16, seed),
+            (state.params, abstract(batch, PartitionSpec(("replica", "fsdp"))), index),
+            1,
+        )
+    kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
+    hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices) * 2**30
+    logger.info(
+        f"Compiling for {args.compile_topology}: {len(devices)} x {kind} ({chips} chips, "
+        f"{hbm / 2**30:.1f} GiB of HBM a device), --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
+        f"{', --fsdp ' + args.fsdp if args.fsdp else ''}"
+    )
+    held = jax.tree.leaves(state if args.do_train else state.params)
+    state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in held)
+    if hbm and state_bytes > hbm:
+        fail(
+            f"the {'train state' if args.do_train else 'model'} alone is {state_bytes / 2**30:.2f} GiB a device, more "
+            f"than its {hbm / 2**30:.1f} GiB of "
+            "HBM: use --fsdp full_shard, more devices or a smaller model"
+        )
+    too_big = []
+    for name, (step, inputs, repeats) in steps.items():
+        too_big += compile_report(name, step, inputs, repeats, hbm, len(devices))
+    if too_big:
+        fail(
+            "; ".join(too_big)
+            + ": lower the batch, add --gradient_accumulation_steps, --fsdp or --gradient_checkpointing"
+        )
+
+
+def synthetic_rows(data_args, tokenizer, max_seq_length, count):
+    """At least `count` rows made by preprocess from lines of plain words, each line longer than a row: the shapes
+    a run's batches have, without reading its data."""
+    words = "the quick brown fox jumps over the lazy dog .".split()
+    line = " ".join(words * (2 * max_seq_length // len(words) + 1))
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [line] * count})})
+    logging.disable(logging.WARNING)  # such lines are cut or packed on purpose
+    datasets.disable_progress_bars()
+    try:
+        return preprocess(
+            raw, replace(data_args, preprocessing_num_workers=None, streaming=False), tokenizer, max_seq_length
+        )
+    finally:
+        logging.disable(logging.NOTSET)
+        datasets.enable_progress_bars()
+
+
+def compile_report(name, step, inputs, repeats, hbm, num_devices):
+    """Compile one step for the slice and log its memory per device and XLA's estimates; returns [] or the line
+    that says by how much it does not fit."""
+    started = time.perf_counter()
+    try:
+        compiled = step.lower(*inputs).compile()
+    except Exception as e:  # noqa: BLE001 (JaxRuntimeError)
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        used = re.search(r"[Uu]sed ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm.*?by ([0-9.]+[KMGT]?)", str(e), re.S)
+        what = f"needs {used[1]} of a device's {used[2]} HBM, {used[3]} more" if used else first_line(e)[:200]
+        return [f"the {name} step does not fit: XLA:TPU {what}"]
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    state = memory.argument_size_in_bytes
+    total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    tokens, seconds = math.prod(inputs[1]["input_ids"].shape), cost.get("optimal_seconds", 0) * repeats
+    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
+    logger.info(
+        f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
+        f"{size(total)} of {size(hbm)} ({100 * total / hbm:.1f} %); {cost.get('flops', 0) * repeats / 1e9:,.1f} GFLOP; "
+        f"XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s over the slice "
+        f"(compiled in {time.perf_counter() - started:.0f} s)"
+    )
+    return []
+
+
 # --- memory ----------------------------------------------------------------------------------------------------
 
 
@@ -1494,10 +1643,11 @@ def release_compiler_memory():
 # --- the loop's bookkeeping and logs -----------------------------------------------------------------------------
 
 
-def make_mesh(fsdp):
-    """The devices as a ("replica", "fsdp") mesh, a process's devices side by side: all on "replica" for data
-    parallelism, all on "fsdp" for --fsdp full_shard, a process's on "fsdp" for hybrid_shard."""
-    devices, local = sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), jax.local_device_count()
+def make_mesh(fsdp, devices=None):
+    """The devices (jax.devices()) as a ("replica", "fsdp") mesh, a process's devices side by side: all on "replica"
+    for data parallelism, all on "fsdp" for --fsdp full_shard, a process's on "fsdp" for hybrid_shard."""
+    devices = sorted(devices or jax.devices(), key=lambda d: (d.process_index, d.id))
+    local = sum(d.process_index == devices[0].process_index for d in devices)
     shape = {"": (len(devices), 1), "full_shard": (1, len(devices)), "hybrid_shard": (len(devices) // local, local)}
     auto = (jax.sharding.AxisType.Auto,) * 2  # transformers' Flax models do not annotate shardings
     return jax.sharding.Mesh(np.array(devices).reshape(shape[fsdp]), ("replica", "fsdp"), axis_types=auto)

@@ -1,0 +1,70 @@
+"""--compile_topology: each Flax training script's steps compiled for a TPU slice on this CPU-only machine (libtpu,
+installed by run.sh into .libtpu), their memory and time reported, nothing read or written; a step too big for the
+chip refused in one line."""
+
+import json
+import os
+import re
+import shutil
+import types
+
+import pytest
+from conftest import ROOT, check_ok, error_line, flax_args, load_script, run
+
+TPU = {"TPU_LIBRARY_PATH": os.path.join(ROOT, ".libtpu", "libtpu", "libtpu.so")}
+MLM = "flax/run_mlm_flax.py"
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (MLM, []),
+        ("flax/run_clm_flax.py", ["--fsdp", "full_shard", "--dtype", "bfloat16"]),
+        ("flax/run_t5_mlm_flax.py", ["--fsdp", "full_shard"]),
+        ("flax/run_bart_dlm_flax.py", ["--dtype", "bfloat16", "--gradient_accumulation_steps", "2"]),
+    ],
+)
+def test_the_steps_compile_for_a_tpu_slice(path, extra, request, corpus, tmp_path):
+    """Data parallel and --fsdp full_shard, float32 and bfloat16, one micro-batch and two, over the four scripts; the
+    data files named do not exist: no data is read."""
+    out = tmp_path / "out"
+    args = flax_args(path, request, corpus, out, "--do_train", "--do_eval", "--compile_topology", "v5e:2x4", *extra)
+    args[args.index("--train_file") + 1] = str(tmp_path / "absent.txt")
+    log = check_ok(run(args, env=TPU)).stderr
+    assert "Compiling for v5e:2x4: 8 x TPU v5 lite (8 chips, 16.0 GiB of HBM a device)" in log, log[-3000:]
+    for step in ("train", "eval"):
+        assert re.search(rf"{step} step, per device: arguments .* of 16.00 GiB .* ms a step", log), log[-3000:]
+    assert not out.exists()  # nothing trained, nothing written
+
+
+def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused(tiny_model_dir, corpus, tmp_path):
+    big = tmp_path / "big"
+    shutil.copytree(tiny_model_dir, big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 40_000_000}))  # 40 M x 64 embedding weights
+    args = [MLM, "--output_dir", str(tmp_path / "out"), "--config_name", str(big), "--tokenizer_name", str(big)]
+    args += ["--do_train", "--max_seq_length", "32", "--compile_topology"]
+    line = error_line(run([*args, "v2:2x2"], env=TPU), "run_mlm_flax.py")
+    # 2.6 G parameters (the embeddings, the head's bias), 12 bytes each with Adam's two moments, on each of 8 cores
+    assert re.search(r"the train state alone is 29\.[0-9]{2} GiB a device, more than its 8.0 GiB of HBM", line), line
+    assert "name a slice as v2-8, v3-8" in error_line(run([*args, "v9:2x2"], env=TPU), "run_mlm_flax.py")
+    line = error_line(run([*args, "v3-8"], env={"TPU_LIBRARY_PATH": ""}), "run_mlm_flax.py")
+    assert "--compile_topology needs libtpu" in line
+
+
+def test_bf16_products_for_tpu_skip_the_cpus_transposes(monkeypatch):
+    """The written-out transposes that pay on a CPU with bf16 instructions (transposes_pay) are left out of a TPU
+    program: no CPU detection applies once a topology is asked for."""
+    script = load_script(MLM, "compile_topology_run_mlm_flax")
+    for variable in (
+        "LM_CPU_BF16",
+        "TPU_LIBRARY_PATH",
+        "TPU_SKIP_MDS_QUERY",
+        "TPU_ACCELERATOR_TYPE",
+        "TPU_WORKER_HOSTNAMES",
+    ):
+        monkeypatch.setenv(variable, "1")  # restored afterwards, with what topology_devices sets
+    monkeypatch.setattr(script.topologies, "get_topology_desc", lambda **_: types.SimpleNamespace(devices=[]))
+    assert script.transposes_pay(512, (768, 768))
+    script.topology_devices("v5e:2x4")
+    assert not script.transposes_pay(512, (768, 768))
