@@ -293,6 +293,7 @@ LONGEST_FIRST = (
     "test_flax_training.py",
     "test_benchmark_end_to_end.py",
     "test_streaming.py",
+    "test_compile_topology.py",
     "test_bf16.py",
     "test_pytorch_run_mlm.py",
     "test_benchmark.py",
