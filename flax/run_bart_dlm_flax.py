@@ -1757,7 +1757,7 @@ def compile_for_topology(model_args, data_args, training_args):
         )
     too_big = []
     for name, (step, inputs, repeats) in steps.items():
-        too_big += compile_report(name, step, inputs, repeats, hbm, len(devices))
+        too_big += compile_report(name, step, inputs, repeats, hbm)
     if too_big:
         fail(
             "; ".join(too_big)
@@ -1782,7 +1782,7 @@ def synthetic_rows(data_args, tokenizer, max_seq_length, count):
         datasets.enable_progress_bars()
 
 
-def compile_report(name, step, inputs, repeats, hbm, num_devices):
+def compile_report(name, step, inputs, repeats, hbm):
     """Compile one step for the slice and log its memory per device and XLA's estimates; returns [] or the line
     that says by how much it does not fit."""
     started = time.perf_counter()
@@ -1800,10 +1800,11 @@ def compile_report(name, step, inputs, repeats, hbm, num_devices):
     total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
     tokens, seconds = math.prod(inputs[1]["input_ids"].shape), cost.get("optimal_seconds", 0) * repeats
     size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
+    share = f"of {size(hbm)} ({100 * total / hbm:.1f} %)" if hbm else "(this chip's HBM is not in TPU_HBM_GIB)"
     logger.info(
         f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
-        f"{size(total)} of {size(hbm)} ({100 * total / hbm:.1f} %); {cost.get('flops', 0) * repeats / 1e9:,.1f} GFLOP; "
-        f"XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s over the slice "
+        f"{size(total)} {share}; {cost.get('flops', 0) * repeats / 1e9:,.1f} GFLOP; XLA's estimate "
+        f"{1e3 * seconds:,.2f} ms a step, {tokens / max(seconds, 1e-12):,.0f} tokens/s over the slice "
         f"(compiled in {time.perf_counter() - started:.0f} s)"
     )
     return []
