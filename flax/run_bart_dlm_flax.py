@@ -575,7 +575,7 @@ def make_train_step(model, schedule, bf16, seed, state):
     sharded over every device. loss_sums' sums and counts are added over every micro-batch before any division, so
     every mean is exact over the global batch, and each loss term's gradient is divided by its own count: one batch
     of that size would give the same update."""
-    base_key = jax.random.PRNGKey(seed)
+    base_key, shardings = jax.random.PRNGKey(seed), jax.tree.map(lambda x: x.sharding, state)
 
     def loss_fn(params, batch, dropout_rng):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
@@ -586,9 +586,10 @@ def make_train_step(model, schedule, bf16, seed, state):
 
     def grads_fn(params, batch, rng):
         """loss_sums' sums, and the gradient of each loss term's sum (one forward pass, one backward pass a term)."""
+        params = as_sharded(params, shardings.params, whole=True)  # --fsdp: gathered for both passes
         terms, vjp_fn, sums = jax.vjp(lambda p: loss_fn(p, batch, rng), params, has_aux=True)
         basis = {name: {other: jnp.ones_like(v) * (other == name) for other, v in terms.items()} for name in terms}
-        return sums, {name: vjp_fn(cotangent)[0] for name, cotangent in basis.items()}
+        return sums, {name: as_sharded(vjp_fn(cotangent)[0], shardings.params) for name, cotangent in basis.items()}
 
     def train_step(state, batch):
         # Dropout keys from (seed, step, micro-batch), drawn for the global batch whatever the device count: a resumed
@@ -615,7 +616,6 @@ def make_train_step(model, schedule, bf16, seed, state):
         metrics = dict(sums=sums, learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
-    shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
 
 
@@ -1817,6 +1817,20 @@ def save_all_but_transcendentals(primitive, *_, **__):
     """A jax.checkpoint policy: keep every intermediate value but those of erf, erfc, exp, tanh, logistic (GELU's,
     softmax's), which the backward pass recomputes in a few elementwise passes instead of holding them."""
     return primitive.name not in ("erf", "erfc", "exp", "tanh", "logistic")
+
+
+def as_sharded(tree, shardings, whole=False):
+    """`tree` held as `shardings` say, or with whole=True each split array whole on every device (replicated arrays
+    are left alone). --fsdp's step gathers the parameters whole for its passes and splits each gradient back as its
+    parameter is: left to itself, XLA split some products along the model's width rather than the batch's rows and
+    held activations of the global batch on every device (benchmarks/README.md, 2026-11-26 05:00)."""
+
+    def constrain(x, sharding):
+        if sharding.is_fully_replicated:
+            return x
+        return lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec()) if whole else sharding)
+
+    return jax.tree.map(constrain, tree, shardings)
 
 
 @functools.cache  # one listener per process, however often main() runs

@@ -13,6 +13,8 @@ The objective (next-token loss) is one block below; the rest is the same in the 
 Differs from upstream:
 - The loss is the sum over every predicted token of the global batch over their count; padding (the last eval
   batch's) is masked out; next-token accuracy beside loss and perplexity; GPT-2's Conv1D computes in bf16 too.
+  Logits larger than 4 GiB are computed a chunk of tokens at a time, never whole: GPT-2 at the
+  original 64 x 512 tokens a device fits a TPU v3 core (14.5 of 16 GiB, by --compile_topology; whole: 21.9 GiB).
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order and dropout
   derive from (seed, epoch) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
@@ -287,11 +289,55 @@ def save_model(model, params, output_dir):
 
 def loss_sums(model, params, batch, rng, train, bf16):
     """Named (sum, count) pairs of next-token cross-entropy and correct predictions: position t predicts token
-    t + 1 wherever both are real (not padding)."""
-    logits = model_logits(model, params, batch, bf16, dropout_rng=rng, train=train)
+    t + 1 wherever both are real (not padding). Logits of more than 16 * HEAD_CHUNK numbers a device (4 GiB in f32;
+    GPT-2's at 64 x 512 tokens are 6.6 GB) are never whole: the head and the loss go a chunk at a time."""
+    head = {}
+    logits = model_logits(model, params, batch, bf16, [capture_head(head)], dropout_rng=rng, train=train)
     mask = batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]
-    loss, correct, count = token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+    devices = max(jax.typeof(logits).sharding.mesh.size, 1)  # the batch's rows are split over all the devices
+    if head.get("logits") is logits and logits.size > 16 * HEAD_CHUNK * devices:  # the head's output, returned as is
+        loss, correct, count = head_token_sums(head, batch["input_ids"][:, 1:], mask, bf16)
+    else:
+        loss, correct, count = token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
     return {"loss": (loss, count), "accuracy": (correct, count)}
+
+
+HEAD_CHUNK = 2**26  # logits computed at once by head_token_sums: 256 MiB in f32
+
+
+def capture_head(head):
+    """An interceptor that records the input, parameters and output of the last dense layer the model calls."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name != "__call__" or not isinstance(module, nn.Dense):
+            return next_fun(*args, **kwargs)
+        bias = module.get_variable("params", "bias") if module.use_bias else 0.0
+        head.update(dtype=module.dtype, inputs=args[0], kernel=module.get_variable("params", "kernel"), bias=bias)
+        head["logits"] = next_fun(*args, **kwargs)
+        return head["logits"]
+
+    return interceptor
+
+
+def head_token_sums(head, labels, mask, bf16):
+    """token_sums of the logits capture_head saw, recomputed from the head's input HEAD_CHUNK logits at a time,
+    with the head as the model computes it (bf16_dense with --dtype bfloat16); jax.checkpoint recomputes a chunk's
+    logits in the backward pass rather than keeping them. Those the model computed go unused: XLA drops them."""
+    kernel, bias, dtype = head["kernel"], head["bias"], head["dtype"]
+    size = max(1, HEAD_CHUNK // kernel.shape[1])
+    chunks = [head["inputs"][:, :-1].reshape(-1, kernel.shape[0]), labels.ravel(), mask.ravel()]
+    chunks = [jnp.pad(x, [(0, -len(x) % size)] + [(0, 0)] * (x.ndim - 1)) for x in chunks]
+
+    @jax.checkpoint
+    def chunk_sums(kernel, bias, chunk):
+        x, labels, mask = chunk
+        logits = (bf16_matmul(x.astype(kernel.dtype), kernel) if bf16 else x @ kernel) + bias
+        return token_sums(logits if dtype is None else logits.astype(dtype), labels, mask)
+
+    chunks = [x.reshape(-1, size, *x.shape[1:]) for x in chunks]
+    sums = lax.map(lambda chunk: chunk_sums(kernel, bias, chunk), chunks)  # a loop: XLA would merge unrolled ones
+    return tuple(x.sum() for x in sums)
 
 
 # === end of the objective ==========================================================================================
@@ -384,7 +430,7 @@ def make_train_step(model, schedule, bf16, seed, state):
     sharded over every device. loss_sums' sums and counts are added over every micro-batch before any division, so
     every mean is exact over the global batch, and each loss term's gradient is divided by its own count: one batch
     of that size would give the same update."""
-    base_key = jax.random.PRNGKey(seed)
+    base_key, shardings = jax.random.PRNGKey(seed), jax.tree.map(lambda x: x.sharding, state)
 
     def loss_fn(params, batch, dropout_rng):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
@@ -395,9 +441,10 @@ def make_train_step(model, schedule, bf16, seed, state):
 
     def grads_fn(params, batch, rng):
         """loss_sums' sums, and the gradient of each loss term's sum (one forward pass, one backward pass a term)."""
+        params = as_sharded(params, shardings.params, whole=True)  # --fsdp: gathered for both passes
         terms, vjp_fn, sums = jax.vjp(lambda p: loss_fn(p, batch, rng), params, has_aux=True)
         basis = {name: {other: jnp.ones_like(v) * (other == name) for other, v in terms.items()} for name in terms}
-        return sums, {name: vjp_fn(cotangent)[0] for name, cotangent in basis.items()}
+        return sums, {name: as_sharded(vjp_fn(cotangent)[0], shardings.params) for name, cotangent in basis.items()}
 
     def train_step(state, batch):
         # Dropout keys from (seed, step, micro-batch), drawn for the global batch whatever the device count: a resumed
@@ -424,7 +471,6 @@ def make_train_step(model, schedule, bf16, seed, state):
         metrics = dict(sums=sums, learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
         return state.apply_gradients(grads=grad), metrics
 
-    shardings = jax.tree.map(lambda x: x.sharding, state)
     return jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
 
 
@@ -1626,6 +1672,20 @@ def save_all_but_transcendentals(primitive, *_, **__):
     """A jax.checkpoint policy: keep every intermediate value but those of erf, erfc, exp, tanh, logistic (GELU's,
     softmax's), which the backward pass recomputes in a few elementwise passes instead of holding them."""
     return primitive.name not in ("erf", "erfc", "exp", "tanh", "logistic")
+
+
+def as_sharded(tree, shardings, whole=False):
+    """`tree` held as `shardings` say, or with whole=True each split array whole on every device (replicated arrays
+    are left alone). --fsdp's step gathers the parameters whole for its passes and splits each gradient back as its
+    parameter is: left to itself, XLA split some products along the model's width rather than the batch's rows and
+    held activations of the global batch on every device (benchmarks/README.md, 2026-11-26 05:00)."""
+
+    def constrain(x, sharding):
+        if sharding.is_fully_replicated:
+            return x
+        return lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec()) if whole else sharding)
+
+    return jax.tree.map(constrain, tree, shardings)
 
 
 @functools.cache  # one listener per process, however often main() runs

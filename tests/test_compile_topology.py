@@ -19,8 +19,7 @@ MLM = "flax/run_mlm_flax.py"
     "path,extra",
     [
         (MLM, []),
-        ("flax/run_clm_flax.py", ["--fsdp", "full_shard", "--dtype", "bfloat16"]),
-        ("flax/run_t5_mlm_flax.py", ["--fsdp", "full_shard"]),
+        ("flax/run_t5_mlm_flax.py", ["--fsdp", "full_shard", "--dtype", "bfloat16"]),
         ("flax/run_bart_dlm_flax.py", ["--dtype", "bfloat16", "--gradient_accumulation_steps", "2"]),
     ],
 )
@@ -35,6 +34,26 @@ def test_the_steps_compile_for_a_tpu_slice(path, extra, request, corpus, tmp_pat
     for step in ("train", "eval"):
         assert re.search(rf"{step} step, per device: arguments .* of 16.00 GiB .* ms a step", log), log[-3000:]
     assert not out.exists()  # nothing trained, nothing written
+
+
+def test_logits_larger_than_the_chip_fit_and_fsdp_holds_less(request, corpus, gpt2_dir, tmp_path):
+    """GPT-2's vocabulary (50,257) at 768 rows of 128 tokens a device: whole f32 logits would be 19.6 GB a device, more
+    than a v5e chip's 16 GiB; the CLM step computes them a chunk at a time and fits. With --fsdp full_shard each
+    device holds less than with data parallelism, the train state's share included."""
+    wide = tmp_path / "wide"
+    shutil.copytree(gpt2_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": 50257}))
+    totals = {}
+    for fsdp in ([], ["--fsdp", "full_shard"]):
+        args = flax_args("flax/run_clm_flax.py", request, corpus, tmp_path / "out", length="128")
+        args[args.index("--config_name") + 1] = str(wide)
+        args += ["--do_train", "--per_device_train_batch_size", "768", "--compile_topology", "v5e:2x4", *fsdp]
+        log = check_ok(run(args, env=TPU)).stderr
+        total = re.search(r"train step, per device: arguments .*, total ([0-9.]+) (GiB|MiB) of 16.00 GiB", log)
+        assert total, log[-3000:]
+        totals[bool(fsdp)] = float(total[1]) * (1024 if total[2] == "GiB" else 1)
+    assert totals[True] < totals[False], totals  # MiB
 
 
 def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused(tiny_model_dir, corpus, tmp_path):

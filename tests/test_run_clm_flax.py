@@ -119,6 +119,38 @@ def test_padding_is_masked_out_of_the_loss():
     assert loss == pytest.approx(float(expected), rel=1e-5)  # float32 log-softmax in two libraries: about 1e-7
 
 
+def test_large_logits_are_computed_a_chunk_at_a_time(monkeypatch):
+    """Above 16 * HEAD_CHUNK logits, the head and the loss go a chunk of tokens at a time: the same sums and gradient
+    as from whole logits, and no [rows, tokens, vocabulary] array left in the compiled gradient."""
+    import jax
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=500, n_positions=32)
+    model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    ids = np.random.default_rng(0).integers(0, 500, size=(3, 17)).astype("i4")
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+
+    def sums(params):
+        return clm.loss_sums(model, params, batch, None, False, False)
+
+    results = []
+    for chunk in (2**26, 1000):  # whole logits; 2 tokens a chunk (the last chunk padded)
+        monkeypatch.setattr(clm, "HEAD_CHUNK", chunk)
+        grad = jax.jit(jax.grad(lambda params: sums(params)["loss"][0]))
+        hlo = grad.lower(model.params).compile().as_text()
+        results.append((jax.tree.map(float, sums(model.params)), grad(model.params), "f32[3,17,500]" in hlo))
+    (whole, whole_grad, whole_logits), (chunked, chunked_grad, chunked_logits) = results
+    assert whole_logits and not chunked_logits
+    assert chunked["loss"][1] == whole["loss"][1] == 2 * 16 + 8
+    # float32 sums of the same terms in another order: rounding only, about 1e-7 of each term
+    assert chunked["loss"][0] == pytest.approx(whole["loss"][0], rel=1e-5)
+    assert chunked["accuracy"][0] == whole["accuracy"][0]
+    for a, b in zip(jax.tree.leaves(whole_grad), jax.tree.leaves(chunked_grad)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(np.abs(a).max()))
+
+
 def test_bad_input(gpt2_dir, corpus, tmp_path):
     bad = bad_input(
         lambda out, *extra: clm_args(gpt2_dir, corpus, out, "--do_train", *extra), "run_clm_flax.py", tmp_path / "out"

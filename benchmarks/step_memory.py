@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""A Flax script's train step against a plain step of the same model and loss, both compiled for a TPU slice by the
+script's own --compile_topology: per device, the memory XLA:TPU plans and its time estimate. The plain step is
+jax.value_and_grad of loss_sums' loss (its sum over its count) on one micro-batch, then the script's optimizer: no
+scan over micro-batches, no vector-Jacobian product per loss term, no remat policy. The script's flags follow `--`:
+
+  TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so python benchmarks/step_memory.py flax/run_clm_flax.py -- \\
+      --output_dir unused --config_name gpt2-config --tokenizer_name T --block_size 512 \\
+      --per_device_train_batch_size 64 --do_train --compile_topology v3-8
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("USE_TF", "0")
+os.environ.setdefault("USE_TORCH", "0")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plain_train_step(script):
+    """make_train_step's replacement: the step as the upstream examples write it, over the script's loss_sums."""
+    import jax
+
+    def make_train_step(model, schedule, bf16, seed, state):
+        def train_step(state, batch):
+            batch = jax.tree.map(lambda x: x[0], batch)  # one micro-batch
+
+            def loss(params):
+                sums = script.loss_sums(model, params, batch, jax.random.PRNGKey(seed), train=True, bf16=bf16)
+                return sums["loss"][0] / sums["loss"][1]
+
+            value, grad = jax.value_and_grad(loss)(state.params)
+            return state.apply_gradients(grads=grad), value
+
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
+
+    return make_train_step
+
+
+def compile_step(script, flags):
+    """What --compile_topology logs of the train step (or the line saying it does not fit)."""
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    script.logger.addHandler(handler)
+    try:
+        script.main(flags)
+    except SystemExit as e:
+        lines.append(str(e))
+    finally:
+        script.logger.removeHandler(handler)
+    return next(line for line in reversed(lines) if "train step" in line)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("script", help="A Flax training script, e.g. flax/run_mlm_flax.py.")
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then its flags, with --compile_topology.")
+    args = parser.parse_args(argv)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if "--compile_topology" not in flags or "--do_train" not in flags:
+        parser.error("the script's flags need --compile_topology SLICE and --do_train")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from run_benchmark import load_script
+
+    script = load_script(args.script)
+    rows = {"ours": compile_step(script, flags)}
+    script.make_train_step = plain_train_step(script)
+    rows["plain"] = compile_step(script, flags)
+    for name, line in rows.items():
+        print(f"{name}: {line}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
