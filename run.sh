@@ -8,6 +8,7 @@
 #   bash run.sh setup-xla  only create/refresh the PyTorch/XLA environment (.venv-xla, or $VENV_XLA):
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
 #   bash run.sh setup-tpu  only install libtpu into .libtpu, for --compile_topology (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
+#   bash run.sh setup-gpu  only install jax's CUDA plugin into .libgpu, for --compile_topology h100 (PYTHONPATH=.libgpu)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -34,17 +35,21 @@ make_venv() {
 }
 setup() { make_venv "$VENV" requirements.txt 2 6; }
 setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3 10; }
-# libtpu, XLA's TPU compiler, for the Flax scripts' --compile_topology (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so):
-# in a folder of its own, since jax in .venv would look for a TPU at every start if libtpu were installed there.
-setup_tpu() {
+# The compilers for the Flax scripts' --compile_topology, each in a folder of its own: jax in .venv would look for
+# the chip at every start if they were installed there. libtpu, XLA's TPU compiler (TPU_LIBRARY_PATH=.libtpu/libtpu/
+# libtpu.so); jax's CUDA plugin, XLA's GPU compiler (PYTHONPATH=.libgpu). No TPU, GPU or CUDA libraries needed.
+# install_into DIR REQUIREMENTS WHAT: (re)install only when the requirements file changed.
+install_into() {
   local want
-  want=$(sha256sum flax/requirements-tpu.txt | cut -d' ' -f1)
-  if [ "$want" != "$(cat .libtpu/.requirements.sha256 2>/dev/null || true)" ]; then
-    echo "Installing flax/requirements-tpu.txt into .libtpu (about 1 minute the first time, 0.7 GB) ..."
-    "$PY" -m pip install --quiet --disable-pip-version-check --upgrade --target .libtpu -r flax/requirements-tpu.txt
-    echo "$want" > .libtpu/.requirements.sha256
+  want=$(sha256sum "$2" | cut -d' ' -f1)
+  if [ "$want" != "$(cat "$1/.requirements.sha256" 2>/dev/null || true)" ]; then
+    echo "Installing $2 into $1 ($3) ..."
+    "$PY" -m pip install --quiet --disable-pip-version-check --upgrade --target "$1" -r "$2"
+    echo "$want" > "$1/.requirements.sha256"
   fi
 }
+setup_tpu() { install_into .libtpu flax/requirements-tpu.txt "about 1 minute the first time, 0.7 GB"; }
+setup_gpu() { install_into .libgpu flax/requirements-gpu.txt "about 1 minute the first time, 0.4 GB"; }
 
 main_job() {
   local data=data/ptb out=out/main
@@ -67,9 +72,10 @@ case "${1:-}" in
   setup) setup ;;
   setup-xla) setup_xla ;;
   setup-tpu) setup; setup_tpu ;;
+  setup-gpu) setup; setup_gpu ;;
   main) setup; main_job ;;
   # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once), longest first
   # (tests/conftest.py).
-  test) shift; setup; setup_xla; setup_tpu; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
-  *) echo "usage: bash run.sh {main|test|setup|setup-xla|setup-tpu}" >&2; exit 2 ;;
+  test) shift; setup; setup_xla; setup_tpu; setup_gpu; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
+  *) echo "usage: bash run.sh {main|test|setup|setup-xla|setup-tpu|setup-gpu}" >&2; exit 2 ;;
 esac

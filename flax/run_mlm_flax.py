@@ -24,8 +24,8 @@ Differs from upstream:
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 - `--streaming`: the data read, tokenized and shuffled (windows of `--shuffle_buffer_size`) as training goes, each
   process its own share, on a thread beside the step; resumes exactly too.
-- `--compile_topology v3-8`: the steps compiled for a TPU slice on this machine (libtpu, no TPU): memory a device
-  against the chip's HBM and XLA's time estimate; nothing is trained.
+- `--compile_topology v3-8` (or `h100:8`): the steps compiled for a TPU slice (libtpu) or GPUs (jax's CUDA plugin) on
+  this machine, without the chips: memory a device against theirs, and on TPU XLA's time estimate; nothing is trained.
 """
 
 import atexit
@@ -133,7 +133,7 @@ class TrainingArguments:
     hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
     hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
-    compile_topology: str | None = arg(None, "Only compile the steps for a TPU slice (v3-8): memory and time.")
+    compile_topology: str | None = arg(None, "Only compile the steps for a TPU slice (v3-8) or GPUs (h100:8).")
 
     def __post_init__(self):
         if self.output_dir is not None:
@@ -1625,14 +1625,27 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
-# --- --compile_topology: the steps compiled for a TPU slice, on this machine ---------------------------------------
+# --- --compile_topology: the steps compiled for a TPU slice or GPUs, on this machine -------------------------------
 # HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e),
 # by the device_kind libtpu reports; a chip's devices (two v2, v3 or v4 cores) share it.
 TPU_HBM_GIB = {"TPU v2": 16, "TPU v3": 32, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+# The GPUs XLA's GPU compiler is given as targets, from NVIDIA's data sheets (SMs, FP32 lanes an SM, boost clock GHz,
+# memory GiB, bandwidth TB/s, L2 MiB) and the CUDA C++ Programming Guide's table of compute capabilities (shared
+# memory KiB an SM, the capability).
+GPUS = {
+    "h100": ("NVIDIA H100 80GB HBM3", 132, 128, 1.98, 80, 3.35, 50, 228, 9, 0),
+    "a100": ("NVIDIA A100-SXM4-80GB", 108, 64, 1.41, 80, 2.039, 40, 164, 8, 0),
+}
 
 
 def topology_devices(name):
-    """The devices of the TPU slice `name`, from libtpu (TPU_LIBRARY_PATH, or the libtpu package): no TPU needed."""
+    """The devices of the TPU slice `name` (from libtpu: TPU_LIBRARY_PATH, or the libtpu package) or of `name`'s GPUs
+    (GPU[:COUNT], from jax's CUDA plugin), and one device's memory in bytes: no TPU or GPU needed."""
+    os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
+    jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
+    gpu, _, count = name.lower().partition(":")
+    if gpu in GPUS:
+        return gpu_devices(gpu, count or "1")
     if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
         fail(
             "--compile_topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
@@ -1642,20 +1655,46 @@ def topology_devices(name):
     quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
     for variable, value in quiet.items():  # no cloud metadata to ask, none needed to compile
         os.environ.setdefault(variable, value)
-    os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the TPU program
-    jax.config.update("jax_platforms", "cpu")  # the TPU is a target to compile for, not a backend to look for
     try:
-        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     except Exception as e:  # noqa: BLE001 (libtpu raises XlaRuntimeError)
         fail(
-            f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, "
-            "such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, v6e:2x2"
+            f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; name a slice as v2-8, "
+            "v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, v6e:2x2, or GPUs as "
+            f"{' or '.join(GPUS)}[:COUNT]"
         )
+    kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
+    hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices)
+    return devices, hbm * 2**30, f"{len(devices)} x {kind} ({chips} chips, {hbm:.1f} GiB of HBM a device)"
+
+
+def gpu_devices(gpu, count):
+    """`count` GPUs of one host, compile-only, from a target description written from GPUS' figures."""
+    if not (importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12")):
+        fail(
+            f"--compile_topology {gpu} needs jax's CUDA plugin (no GPU or CUDA needed): pip install "
+            "jax-cuda12-plugin==0.9.2 jax-cuda12-pjrt==0.9.2, or bash run.sh setup-gpu and PYTHONPATH=.libgpu"
+        )
+    if not count.isdigit() or int(count) < 1:
+        fail(f"--compile_topology {gpu}:{count}: name GPUs as {gpu} or {gpu}:COUNT, such as {gpu}:8")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA libraries: nothing runs
+    kind, sms, lanes, ghz, gib, bandwidth, l2, shared, major, minor = GPUS[gpu]
+    info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=48 * 1024)
+    info.update(shared_memory_per_core=shared * 1024, shared_memory_per_block_optin=(shared - 1) * 1024)
+    info.update(threads_per_core_limit=2048, core_count=sms, fpus_per_core=lanes, block_dim_limit_x=2**31 - 1)
+    info.update(block_dim_limit_y=65535, block_dim_limit_z=65535, memory_bandwidth=int(bandwidth * 1e12))
+    info.update(l2_cache_size=l2 * 2**20, clock_rate_ghz=ghz, device_memory_size=gib * 2**30)
+    info.update(registers_per_core_limit=65536, registers_per_block_limit=65536)
+    target = " ".join(f"{k}: {v}" for k, v in info.items())
+    target = f"gpu_device_info {{ {target} cuda_compute_capability {{ major: {major} minor: {minor} }} }} "
+    target += f'platform_name: "CUDA" device_description_str: "{kind}"'
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology=f"1x1x{count}")
+    return topology.devices, gib * 2**30, f"{count} x {kind} ({gib:.1f} GiB of HBM a device)"
 
 
 def compile_for_topology(model_args, data_args, training_args):
     """--compile_topology: the train step (--do_train) and eval step (--do_eval) this run would execute, compiled for
-    a TPU slice on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
+    a TPU slice or GPUs on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
     memory XLA plans against the chip's HBM, and XLA's estimate of the step's FLOPs and time. Reads the config and
     tokenizer and tokenizes a few lines of its own: no data. Exits 1 when a step does not fit."""
     args, micro = training_args, training_args.gradient_accumulation_steps
@@ -1665,7 +1704,7 @@ def compile_for_topology(model_args, data_args, training_args):
     config, tokenizer = load_config_and_tokenizer(model_args)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
     fit_attention(config, max_seq_length)
-    devices = topology_devices(args.compile_topology)
+    devices, hbm, what = topology_devices(args.compile_topology)
     train_rows, eval_rows = (
         len(devices) * args.per_device_train_batch_size,
         len(devices) * args.per_device_eval_batch_size,
@@ -1698,11 +1737,8 @@ def compile_for_topology(model_args, data_args, training_args):
             (state.params, abstract(batch, PartitionSpec(("replica", "fsdp"))), index),
             1,
         )
-    kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
-    hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices) * 2**30
     logger.info(
-        f"Compiling for {args.compile_topology}: {len(devices)} x {kind} ({chips} chips, "
-        f"{hbm / 2**30:.1f} GiB of HBM a device), --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
+        f"Compiling for {args.compile_topology}: {what}, --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
         f"{', --fsdp ' + args.fsdp if args.fsdp else ''}"
     )
     held = jax.tree.leaves(state if args.do_train else state.params)
@@ -1753,18 +1789,30 @@ def compile_report(name, step, inputs, repeats, hbm):
         what = f"needs {used[1]} of a device's {used[2]} HBM, {used[3]} more" if used else first_line(e)[:200]
         return [f"the {name} step does not fit: XLA:TPU {what}"]
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None from the GPU compiler
     state = memory.argument_size_in_bytes
     total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-    tokens, seconds = math.prod(inputs[1]["input_ids"].shape), cost.get("optimal_seconds", 0) * repeats
+    flops, seconds = cost.get("flops", 0) * repeats, cost.get("optimal_seconds", 0) * repeats
+    tokens = math.prod(inputs[1]["input_ids"].shape)
     size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
     share = f"of {size(hbm)} ({100 * total / hbm:.1f} %)" if hbm else "(this chip's HBM is not in TPU_HBM_GIB)"
+    estimate = (  # libtpu gives tiny programs a negative optimal_seconds on some chips (v5e); the GPU compiler none
+        f"{flops / 1e9:,.1f} GFLOP; XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s "
+        "over the slice"
+        if seconds > 0
+        else f"{flops / 1e9:,.1f} GFLOP; no time estimate from XLA (optimal_seconds {cost.get('optimal_seconds')})"
+        if cost
+        else "no FLOPs or time estimate from XLA for this target"
+    )
     logger.info(
         f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
-        f"{size(total)} {share}; {cost.get('flops', 0) * repeats / 1e9:,.1f} GFLOP; XLA's estimate "
-        f"{1e3 * seconds:,.2f} ms a step, {tokens / max(seconds, 1e-12):,.0f} tokens/s over the slice "
+        f"{size(total)} {share}; {estimate} "
         f"(compiled in {time.perf_counter() - started:.0f} s)"
     )
+    if hbm and total > hbm:  # XLA:TPU refuses such a program itself (above); XLA's GPU compiler does not
+        return [
+            f"the {name} step does not fit: it needs {size(total)} of a device's {size(hbm)}, {size(total - hbm)} more"
+        ]
     return []
 
 
