@@ -305,6 +305,21 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA compilation cache for the suite's run (both pytest-xdist workers, every script they start):
+    a program compiled once, such as the step of a run and of its resumed copy, is loaded the next time. The cache
+    holds what XLA compiled, so results are those of a fresh compile; --compile_topology's runs keep it off."""
+    base = tmp_path_factory.getbasetemp()
+    path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
+    settings = dict(compilation_cache_dir=path, compilation_cache_max_size=2**32)  # 4 GiB: kept under a file lock
+    settings.update(persistent_cache_min_compile_time_secs=0)  # a tiny model's programs compile in under a second
+    for name, value in settings.items():
+        os.environ[f"JAX_{name.upper()}"] = str(value)
+        if "jax" in sys.modules:  # in-process tests too
+            sys.modules["jax"].config.update(f"jax_{name}", value)
+
+
 def pytest_sessionstart(session):
     """The CPU the suite runs on (float results and bf16 speed depend on it), as the first line of every log, -q too."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
