@@ -13,8 +13,8 @@ The objective (next-token loss) is one block below; the rest is the same in the 
 Differs from upstream:
 - The loss is the sum over every predicted token of the global batch over their count; padding (the last eval
   batch's) is masked out; next-token accuracy beside loss and perplexity; GPT-2's Conv1D computes in bf16 too.
-  Logits larger than 4 GiB are computed a chunk of tokens at a time, never whole: GPT-2 at the
-  original 64 x 512 tokens a device fits a TPU v3 core (14.5 of 16 GiB, by --compile_topology; whole: 21.9 GiB).
+  Logits larger than 4 GiB are computed a chunk of positions at a time with their gradient, never whole: GPT-2 at
+  the original 64 x 512 tokens a device fits a TPU v3 core (14.5 of 16 GiB, by --compile_topology; whole: 21.9 GiB).
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order and dropout
   derive from (seed, epoch) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
@@ -296,13 +296,13 @@ def loss_sums(model, params, batch, rng, train, bf16):
     mask = batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]
     devices = max(jax.typeof(logits).sharding.mesh.size, 1)  # the batch's rows are split over all the devices
     if head.get("logits") is logits and logits.size > 16 * HEAD_CHUNK * devices:  # the head's output, returned as is
-        loss, correct, count = head_token_sums(head, batch["input_ids"][:, 1:], mask, bf16)
+        loss, correct, count = head_token_sums(head, batch["input_ids"][:, 1:], mask, bf16, devices)
     else:
         loss, correct, count = token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
     return {"loss": (loss, count), "accuracy": (correct, count)}
 
 
-HEAD_CHUNK = 2**26  # logits computed at once by head_token_sums: 256 MiB in f32
+HEAD_CHUNK = 2**26  # logits a device computed at once by head_token_sums: 256 MiB in f32
 
 
 def capture_head(head):
@@ -320,24 +320,66 @@ def capture_head(head):
     return interceptor
 
 
-def head_token_sums(head, labels, mask, bf16):
-    """token_sums of the logits capture_head saw, recomputed from the head's input HEAD_CHUNK logits at a time,
-    with the head as the model computes it (bf16_dense with --dtype bfloat16); jax.checkpoint recomputes a chunk's
-    logits in the backward pass rather than keeping them. Those the model computed go unused: XLA drops them."""
-    kernel, bias, dtype = head["kernel"], head["bias"], head["dtype"]
-    size = max(1, HEAD_CHUNK // kernel.shape[1])
-    chunks = [head["inputs"][:, :-1].reshape(-1, kernel.shape[0]), labels.ravel(), mask.ravel()]
-    chunks = [jnp.pad(x, [(0, -len(x) % size)] + [(0, 0)] * (x.ndim - 1)) for x in chunks]
+def head_token_sums(head, labels, mask, bf16, devices):
+    """token_sums of the logits capture_head saw, computed again from the head's input a chunk of positions at a time
+    (HEAD_CHUNK logits a device), with the head as the model computes it (bf16_dense with --dtype bfloat16). A chunk's
+    gradients are computed with its logits, in the same pass (head_sums' VJP): no chunk is computed twice, and none
+    is kept. Those the model computed go unused: XLA drops them."""
+    x, (rows, length), vocab = head["inputs"][:, :-1], labels.shape, head["kernel"].shape[1]
+    size = min(length, max(1, HEAD_CHUNK * devices // (rows * vocab)))  # positions a chunk, in every row
+    chunks = -(-length // size)
 
-    @jax.checkpoint
-    def chunk_sums(kernel, bias, chunk):
-        x, labels, mask = chunk
+    def split(a):  # [rows, length, ...] -> [chunks, rows, size, ...]: the rows stay split over the devices
+        a = jnp.pad(a, [(0, 0), (0, chunks * size - length)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(rows, chunks, size, *a.shape[2:]), 1, 0)
+
+    bias = jnp.broadcast_to(jnp.asarray(head["bias"], head["kernel"].dtype), (vocab,))
+    return head_sums(split(x), head["kernel"], bias, split(labels), split(mask), bf16, head["dtype"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def head_sums(x, kernel, bias, labels, mask, bf16, dtype):
+    """(loss, correct, count) over chunks of x [chunks, rows, size, width], a loop over the chunks."""
+    return head_sums_fwd(x, kernel, bias, labels, mask, bf16, dtype, grads=False)[0]
+
+
+def head_sums_fwd(x, kernel, bias, labels, mask, bf16, dtype, grads=True):
+    """head_sums' sums and, with grads, the gradient of the loss sum for x, kernel and bias, chunk by chunk."""
+
+    def chunk(totals, xs):
+        x, labels, mask = xs
         logits = (bf16_matmul(x.astype(kernel.dtype), kernel) if bf16 else x @ kernel) + bias
-        return token_sums(logits if dtype is None else logits.astype(dtype), labels, mask)
+        logits = logits if dtype is None else logits.astype(dtype)
+        sums = token_sums(logits, labels, mask)
+        if not grads:
+            return jax.tree.map(jnp.add, totals, sums), None
+        # d loss / d logits: softmax less the label's one-hot, where the mask is set
+        dlogits = jax.nn.softmax(logits.astype(jnp.float32)) - jax.nn.one_hot(
+            jnp.where(mask, labels, 0), logits.shape[-1]
+        )
+        dlogits = (dlogits * mask[..., None]).astype(logits.dtype).astype(kernel.dtype)
+        if bf16:
+            dx, dkernel = _bf16_matmul_bwd((x.astype(jnp.bfloat16), kernel), dlogits)
+        else:
+            dx, dkernel = dlogits @ kernel.T, jnp.einsum("rsi,rso->io", x, dlogits)
+        grads_sum = (dkernel, dlogits.sum((0, 1)))
+        return jax.tree.map(jnp.add, totals, (sums, grads_sum)), dx.astype(x.dtype)
 
-    chunks = [x.reshape(-1, size, *x.shape[1:]) for x in chunks]
-    sums = lax.map(lambda chunk: chunk_sums(kernel, bias, chunk), chunks)  # a loop: XLA would merge unrolled ones
-    return tuple(x.sum() for x in sums)
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), mask.dtype))
+    if not grads:
+        return lax.scan(chunk, zeros, (x, labels, mask))[0], None
+    start = (zeros, (jnp.zeros_like(kernel), jnp.zeros_like(bias)))
+    (sums, (dkernel, dbias)), dx = lax.scan(chunk, start, (x, labels, mask))
+    return sums, (dx, dkernel, dbias)
+
+
+def head_sums_bwd(bf16, dtype, residuals, cotangents):
+    dx, dkernel, dbias = residuals
+    scale = cotangents[0]  # the loss sum's: correct predictions and counts have no gradient
+    return scale * dx, scale * dkernel, scale * dbias, None, None
+
+
+head_sums.defvjp(head_sums_fwd, head_sums_bwd)
 
 
 # === end of the objective ==========================================================================================

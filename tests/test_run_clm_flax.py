@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -119,32 +120,38 @@ def test_padding_is_masked_out_of_the_loss():
     assert loss == pytest.approx(float(expected), rel=1e-5)  # float32 log-softmax in two libraries: about 1e-7
 
 
-def test_large_logits_are_computed_a_chunk_at_a_time(monkeypatch):
-    """Above 16 * HEAD_CHUNK logits, the head and the loss go a chunk of tokens at a time: the same sums and gradient
-    as from whole logits, and no [rows, tokens, vocabulary] array left in the compiled gradient."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_large_logits_are_computed_a_chunk_at_a_time(bf16, monkeypatch):
+    """Above 16 * HEAD_CHUNK logits, the head and the loss go a chunk of positions at a time: the same sums and
+    gradient as from whole logits, no [rows, tokens, vocabulary] array left in the compiled step, and no more products
+    than with whole logits (a chunk's gradient is computed with its logits, never by computing them again)."""
     import jax
     import transformers
 
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=500, n_positions=32)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=500, n_positions=64)
     model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
-    ids = np.random.default_rng(0).integers(0, 500, size=(3, 17)).astype("i4")
+    ids = np.random.default_rng(0).integers(0, 500, size=(3, 40)).astype("i4")
     mask = np.ones_like(ids)
     mask[1, 9:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
 
     def sums(params):
-        return clm.loss_sums(model, params, batch, None, False, False)
+        return clm.loss_sums(model, params, batch, None, False, bf16)
 
     results = []
-    for chunk in (2**26, 1000):  # whole logits; 2 tokens a chunk (the last chunk padded)
+    for chunk in (2**26, 3000):  # whole logits; 2 positions of the 3 rows a chunk (the last chunk padded)
         monkeypatch.setattr(clm, "HEAD_CHUNK", chunk)
-        grad = jax.jit(jax.grad(lambda params: sums(params)["loss"][0]))
-        hlo = grad.lower(model.params).compile().as_text()
-        results.append((jax.tree.map(float, sums(model.params)), grad(model.params), "f32[3,17,500]" in hlo))
-    (whole, whole_grad, whole_logits), (chunked, chunked_grad, chunked_logits) = results
-    assert whole_logits and not chunked_logits
-    assert chunked["loss"][1] == whole["loss"][1] == 2 * 16 + 8
-    # float32 sums of the same terms in another order: rounding only, about 1e-7 of each term
+        step = jax.jit(
+            jax.value_and_grad(lambda params: sums(params)["loss"][0])
+        )  # the loss is needed, as in training
+        hlo = step.lower(model.params).compile().as_text()
+        products = len(re.findall(r"\bdot\(", hlo))
+        results.append((jax.tree.map(float, sums(model.params)), step(model.params)[1], "[3,40,500]" in hlo, products))
+    (whole, whole_grad, whole_logits, whole_products), (chunked, chunked_grad, chunked_logits, products) = results
+    assert whole_logits and not chunked_logits and products == whole_products
+    assert chunked["loss"][1] == whole["loss"][1] == 2 * 39 + 8
+    # float32 sums of the same terms (bf16 products accumulated in f32 with --dtype bfloat16) in another order:
+    # rounding only, about 1e-7 of each term
     assert chunked["loss"][0] == pytest.approx(whole["loss"][0], rel=1e-5)
     assert chunked["accuracy"][0] == whole["accuracy"][0]
     for a, b in zip(jax.tree.leaves(whole_grad), jax.tree.leaves(chunked_grad)):
