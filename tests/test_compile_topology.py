@@ -17,6 +17,14 @@ GPU = {"PYTHONPATH": os.path.join(ROOT, ".libgpu"), **NO_CACHE}
 MLM = "flax/run_mlm_flax.py"
 
 
+def with_vocabulary(model_dir, vocab_size, copy):
+    """A copy of a tiny model's folder whose config has `vocab_size` tokens (the tokenizer keeps its own)."""
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    return copy
+
+
 @pytest.mark.parametrize(
     "path,extra",
     [
@@ -44,10 +52,7 @@ def test_logits_larger_than_the_chip_fit_and_fsdp_holds_less(request, corpus, gp
     """GPT-2's vocabulary (50,257) at 768 rows of 128 tokens a device: whole f32 logits would be 19.6 GB a device, more
     than a v5e chip's 16 GiB; the CLM step computes them a chunk at a time and fits. With --fsdp full_shard each
     device holds less than with data parallelism, the train state's share included."""
-    wide = tmp_path / "wide"
-    shutil.copytree(gpt2_dir, wide)
-    config = json.loads((wide / "config.json").read_text())
-    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": 50257}))
+    wide = with_vocabulary(gpt2_dir, 50257, tmp_path / "wide")
     totals = {}
     for fsdp in ([], ["--fsdp", "full_shard"]):
         args = flax_args("flax/run_clm_flax.py", request, corpus, tmp_path / "out", length="128")
@@ -74,10 +79,7 @@ def test_the_steps_compile_for_gpus_and_one_too_big_for_the_gpu_is_refused(reque
     assert "name GPUs as h100 or h100:COUNT" in line
     line = error_line(run([*args, "--compile_topology", "h100"], env={"PYTHONPATH": ""}), "run_clm_flax.py")
     assert "--compile_topology h100 needs jax's CUDA plugin" in line
-    big = tmp_path / "big"
-    shutil.copytree(tiny_model_dir, big)
-    config = json.loads((big / "config.json").read_text())
-    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 100_000_000}))
+    big = with_vocabulary(tiny_model_dir, 100_000_000, tmp_path / "big")
     # 6.5 G parameters, 12 bytes each with Adam's moments: 72.6 GiB, below the A100's 80; the gradients are not
     args = [MLM, "--output_dir", str(tmp_path / "out"), "--config_name", str(big), "--tokenizer_name", str(big)]
     line = error_line(run([*args, "--do_train", "--compile_topology", "a100"], env=GPU), "run_mlm_flax.py")
@@ -85,10 +87,7 @@ def test_the_steps_compile_for_gpus_and_one_too_big_for_the_gpu_is_refused(reque
 
 
 def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused(tiny_model_dir, corpus, tmp_path):
-    big = tmp_path / "big"
-    shutil.copytree(tiny_model_dir, big)
-    config = json.loads((big / "config.json").read_text())
-    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 40_000_000}))  # 40 M x 64 embedding weights
+    big = with_vocabulary(tiny_model_dir, 40_000_000, tmp_path / "big")  # 40 M x 64 embedding weights
     args = [MLM, "--output_dir", str(tmp_path / "out"), "--config_name", str(big), "--tokenizer_name", str(big)]
     args += ["--do_train", "--max_seq_length", "32", "--compile_topology"]
     line = error_line(run([*args, "v2:2x2"], env=TPU), "run_mlm_flax.py")
