@@ -80,7 +80,7 @@ def main(argv=None):
     rows = {}
     for name in ("ours", "plain"):
         # A process a compile: XLA's compile memory stays with the process (T5 base's two compiles for v3-8 need more
-        # than 24 GB together, 19 GB each alone).
+        # than 24 GB together, at most 19 GB each alone).
         pool = multiprocessing.get_context("spawn").Pool(1)
         rows[name] = pool.apply(step_line, (args.script, flags, name == "plain"))
         pool.close()
