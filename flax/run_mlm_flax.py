@@ -1695,7 +1695,7 @@ def gpu_devices(gpu, count):
 def compile_for_topology(model_args, data_args, training_args):
     """--compile_topology: the train step (--do_train) and eval step (--do_eval) this run would execute, compiled for
     a TPU slice or GPUs on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
-    memory XLA plans against the chip's HBM, and XLA's estimate of the step's FLOPs and time. Reads the config and
+    memory XLA plans against the chip's HBM, its matrix products' FLOPs and XLA's time estimate. Reads the config and
     tokenizer and tokenizes a few lines of its own: no data. Exits 1 when a step does not fit."""
     args, micro = training_args, training_args.gradient_accumulation_steps
     if not (args.do_train or args.do_eval):
@@ -1728,14 +1728,13 @@ def compile_for_topology(model_args, data_args, training_args):
         )
         batch = {k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}
         step = make_train_step(model, schedule, bf16, seed, state)
-        steps["train"] = (step, (state, abstract(batch, PartitionSpec(None, ("replica", "fsdp")))), micro)
+        steps["train"] = (step, (state, abstract(batch, PartitionSpec(None, ("replica", "fsdp")))))
     if args.do_eval:
         batch = collate_batch(collator, rows["train"][:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
         index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
         steps["eval"] = (
             make_eval_step(model, bf16, seed),
             (state.params, abstract(batch, PartitionSpec(("replica", "fsdp"))), index),
-            1,
         )
     logger.info(
         f"Compiling for {args.compile_topology}: {what}, --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
@@ -1750,8 +1749,8 @@ def compile_for_topology(model_args, data_args, training_args):
             "HBM: use --fsdp full_shard, more devices or a smaller model"
         )
     too_big = []
-    for name, (step, inputs, repeats) in steps.items():
-        too_big += compile_report(name, step, inputs, repeats, hbm)
+    for name, (step, inputs) in steps.items():
+        too_big += compile_report(name, step, inputs, hbm)
     if too_big:
         fail(
             "; ".join(too_big)
@@ -1776,12 +1775,13 @@ def synthetic_rows(data_args, tokenizer, max_seq_length, count):
         datasets.enable_progress_bars()
 
 
-def compile_report(name, step, inputs, repeats, hbm):
-    """Compile one step for the slice and log its memory per device and XLA's estimates; returns [] or the line
-    that says by how much it does not fit."""
+def compile_report(name, step, inputs, hbm):
+    """Compile one step for the slice and log, per device, its memory, the FLOPs of its matrix products and XLA's
+    time estimate; returns [] or the line that says by how much it does not fit."""
     started = time.perf_counter()
     try:
-        compiled = step.lower(*inputs).compile()
+        traced = step.trace(*inputs)
+        compiled = traced.lower().compile()
     except Exception as e:  # noqa: BLE001 (JaxRuntimeError)
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -1792,21 +1792,22 @@ def compile_report(name, step, inputs, repeats, hbm):
     cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None from the GPU compiler
     state = memory.argument_size_in_bytes
     total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-    flops, seconds = cost.get("flops", 0) * repeats, cost.get("optimal_seconds", 0) * repeats
+    devices = jax.tree.leaves(inputs)[0].sharding.mesh.size
+    flops, once = (matmul_flops(traced.jaxpr.jaxpr, loops) / devices for loops in (True, False))
+    seconds = cost.get("optimal_seconds", 0) * flops / max(once, 1)  # XLA counts a loop's body once: scaled
     tokens = math.prod(inputs[1]["input_ids"].shape)
     size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
     share = f"of {size(hbm)} ({100 * total / hbm:.1f} %)" if hbm else "(this chip's HBM is not in TPU_HBM_GIB)"
     estimate = (  # libtpu gives tiny programs a negative optimal_seconds on some chips (v5e); the GPU compiler none
-        f"{flops / 1e9:,.1f} GFLOP; XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s "
-        "over the slice"
+        f"XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s over the slice"
         if seconds > 0
-        else f"{flops / 1e9:,.1f} GFLOP; no time estimate from XLA (optimal_seconds {cost.get('optimal_seconds')})"
+        else f"no time estimate from XLA (optimal_seconds {cost.get('optimal_seconds')})"
         if cost
-        else "no FLOPs or time estimate from XLA for this target"
+        else "no time estimate from XLA for this target"
     )
     logger.info(
         f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
-        f"{size(total)} {share}; {estimate} "
+        f"{size(total)} {share}; {flops / 1e9:,.1f} GFLOP of matrix products; {estimate} "
         f"(compiled in {time.perf_counter() - started:.0f} s)"
     )
     if hbm and total > hbm:  # XLA:TPU refuses such a program itself (above); XLA's GPU compiler does not
@@ -1814,6 +1815,27 @@ def compile_report(name, step, inputs, repeats, hbm):
             f"the {name} step does not fit: it needs {size(total)} of a device's {size(hbm)}, {size(total - hbm)} more"
         ]
     return []
+
+
+def matmul_flops(jaxpr, loops=True):
+    """The FLOPs of a jaxpr's matrix products (two a multiply-add) whose results are used, a scan's body times its
+    length; loops=False counts every loop's body once, as XLA's cost analysis does (its FLOPs and time estimate miss
+    the micro-batches after the first, and the chunks of CLM's head after the first)."""
+    total, used = 0, {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if not (eqn.effects or used.intersection(eqn.outvars)):
+            continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
+        used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
+        times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    total += times * matmul_flops(getattr(inner, "jaxpr", inner), loops)
+    return total
 
 
 # --- memory ----------------------------------------------------------------------------------------------------
@@ -1941,10 +1963,7 @@ def timed_step(train_step, state, batch, loop):
         loop.shapes += [shapes] if shapes not in loop.shapes else []
         return train_step(state, batch)
     loop.shapes.append(shapes)
-    try:  # FLOPs of one step over all devices, as XLA counts them (a scan's body once); some backends count none
-        loop.flops = float(train_step.lower(state, batch).cost_analysis()["flops"]) * batch["input_ids"].shape[0]
-    except Exception:  # noqa: BLE001
-        loop.flops = None
+    loop.flops = matmul_flops(train_step.trace(state, batch).jaxpr.jaxpr)  # one step's, over all devices
     started = time.perf_counter()
     state, metrics = train_step(state, batch)
     jax.block_until_ready(metrics)

@@ -124,7 +124,8 @@ def test_padding_is_masked_out_of_the_loss():
 def test_large_logits_are_computed_a_chunk_at_a_time(bf16, monkeypatch):
     """Above 16 * HEAD_CHUNK logits, the head and the loss go a chunk of positions at a time: the same sums and
     gradient as from whole logits, no [rows, tokens, vocabulary] array left in the compiled step, and no more products
-    than with whole logits (a chunk's gradient is computed with its logits, never by computing them again)."""
+    than with whole logits (a chunk's gradient is computed with its logits, never by computing them again). The FLOPs
+    the scripts report count every chunk; XLA's cost analysis counts a loop's body once."""
     import jax
     import transformers
 
@@ -144,11 +145,20 @@ def test_large_logits_are_computed_a_chunk_at_a_time(bf16, monkeypatch):
         step = jax.jit(
             jax.value_and_grad(lambda params: sums(params)["loss"][0])
         )  # the loss is needed, as in training
-        hlo = step.lower(model.params).compile().as_text()
+        traced = step.trace(model.params)
+        compiled = traced.lower().compile()
+        hlo, flops = compiled.as_text(), [clm.matmul_flops(traced.jaxpr.jaxpr, loops) for loops in (True, False)]
         products = len(re.findall(r"\bdot\(", hlo))
-        results.append((jax.tree.map(float, sums(model.params)), step(model.params)[1], "[3,40,500]" in hlo, products))
-    (whole, whole_grad, whole_logits, whole_products), (chunked, chunked_grad, chunked_logits, products) = results
+        results.append(
+            (jax.tree.map(float, sums(model.params)), step(model.params)[1], "[3,40,500]" in hlo, products, flops)
+        )
+    (whole, whole_grad, whole_logits, whole_products, whole_flops), (chunked, chunked_grad, chunked_logits, *rest) = (
+        results
+    )
+    products, (flops, once) = rest
     assert whole_logits and not chunked_logits and products == whole_products
+    # 20 chunks of 2 positions, 40 as whole: three products of [3, 40, 32] x [32, 500] each, and the model's
+    assert flops == whole_flops[0] == whole_flops[1] > once and flops - once == 19 * 3 * 2 * 3 * 2 * 32 * 500
     assert chunked["loss"][1] == whole["loss"][1] == 2 * 39 + 8
     # float32 sums of the same terms (bf16 products accumulated in f32 with --dtype bfloat16) in another order:
     # rounding only, about 1e-7 of each term
