@@ -4,7 +4,9 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, check_ok, fake_devices, load_script, optimised, run
+from conftest import ROOT, check_ok, fake_devices, load_script, run
+
+pytestmark = pytest.mark.usefixtures("optimised_xla")
 
 XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(ROOT, ".venv-xla", "bin", "python"))
 
@@ -87,7 +89,7 @@ def quick(tmp_path_factory):
     result = check_ok(
         run(
             ["benchmarks/run_benchmark.py", "--quick", "--repeats", "1", "--output_dir", str(out)],
-            env={"XLA_PYTHON": XLA_PYTHON, "LM_CPU_BF16": "0", **optimised()},
+            env={"XLA_PYTHON": XLA_PYTHON, "LM_CPU_BF16": "0"},
             timeout=1800,  # beside another test worker on 2 cores: 3-5 minutes
         )
     )

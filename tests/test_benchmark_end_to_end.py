@@ -5,7 +5,9 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, check_ok, optimised, run
+from conftest import ROOT, check_ok, run
+
+pytestmark = pytest.mark.usefixtures("optimised_xla")
 
 XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(ROOT, ".venv-xla", "bin", "python"))
 
@@ -26,7 +28,7 @@ def test_end_to_end_runs_the_real_scripts(tmp_path):
                 "--output_dir",
                 str(tmp_path),
             ],
-            env={"XLA_PYTHON": XLA_PYTHON, "LM_CPU_BF16": "0", **optimised()},
+            env={"XLA_PYTHON": XLA_PYTHON, "LM_CPU_BF16": "0"},
             timeout=1800,  # beside another test worker on 2 cores: 5-8 minutes
         )
     )

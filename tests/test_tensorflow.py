@@ -12,6 +12,7 @@ import pytest
 from conftest import TINY_ROBERTA, check_ok, datasets_cache, error_line, hub_cache, load_script, run
 
 MAX_LENGTH = 64
+pytestmark = pytest.mark.usefixtures("optimised_xla")
 OFFLINE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
 
 
