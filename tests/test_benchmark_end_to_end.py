@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import ROOT, check_ok, run
+from conftest import BENCHMARK_BATCH, ROOT, check_ok, run
 
 pytestmark = pytest.mark.usefixtures("optimised_xla")
 
@@ -25,11 +25,12 @@ def test_end_to_end_runs_the_real_scripts(tmp_path):
                 "--quick",
                 "--modes",
                 ",".join(expected),
+                *BENCHMARK_BATCH,
                 "--output_dir",
                 str(tmp_path),
             ],
             env={"XLA_PYTHON": XLA_PYTHON, "LM_CPU_BF16": "0"},
-            timeout=1800,  # beside another test worker on 2 cores: 5-8 minutes
+            timeout=1800,  # beside another test worker on 2 cores: 3-5 minutes
         )
     )
     assert result.stderr.count("warning: flax_bf16: this CPU") == 1
