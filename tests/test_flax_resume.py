@@ -24,7 +24,7 @@ RESUMABLE = [
     "--per_device_train_batch_size",
     "8",
     "--max_steps",
-    "60",
+    "24",
     "--logging_steps",
     "2",
     "--save_steps",
@@ -62,7 +62,7 @@ script.main(sys.argv[2:])
 
 @pytest.fixture(scope="module")
 def uninterrupted(request, corpus, tmp_path_factory):
-    """For MLM and T5: a 60-step run that saves every 4 steps, its output folder and its logged losses."""
+    """For MLM and T5: a 24-step run that saves every 4 steps, its output folder and its logged losses."""
     runs = {}
     for path in (MLM, T5):
         out = tmp_path_factory.mktemp("full")
@@ -93,7 +93,7 @@ def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request,
     resumed = check_ok(run(args + ["--resume_from_checkpoint"]))
     log = resumed.stdout + resumed.stderr
     assert f"skipping {partial}" in log and f"Resuming at step {complete[-1]}" in log
-    assert complete[-1] < 60, "the kill came too late to test a resume"
+    assert complete[-1] < 24, "the kill came too late to test a resume"
     after = losses_by_step(log)
     assert before and after and min(map(int, after)) > complete[-1]
     for step, loss in {**before, **after}.items():
@@ -135,13 +135,13 @@ def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, co
     # The same global batch over two devices (4 rows each) resumes, and says what differs.
     moved = tmp_path / "moved"
     moved.mkdir()
-    shutil.copytree(full_dir / "checkpoint-56", moved / "checkpoint-56")
+    shutil.copytree(full_dir / "checkpoint-20", moved / "checkpoint-20")
     extra = ("--resume_from_checkpoint", "--per_device_train_batch_size", "4", "--mlm_probability", "0.2")
     extra += ("--max_train_samples", "1000", "--ignore_data_skip")  # other data: its epoch starts afresh
     result = check_ok(run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *extra), env=TWO_DEVICES))
     assert "other objective settings; going on with this run's: --mlm_probability 0.15 -> 0.2" in result.stderr
     assert "--ignore_data_skip: " in result.stderr and "train_rows" in result.stderr
-    assert sorted(map(int, losses_by_step(result.stdout + result.stderr))) == [58, 60]
+    assert sorted(map(int, losses_by_step(result.stdout + result.stderr))) == [22, 24]
 
 
 def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
@@ -156,21 +156,21 @@ def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
         return error_line(result, "run_mlm_flax.py")
 
     results = {name: (full_dir / name).read_bytes() for name in ("train_results.json", "all_results.json")}
-    assert "at step 60 and this run ends at step 60: nothing left to train" in bad("--resume_from_checkpoint")
-    assert "this run ends at step 40: nothing left" in bad("--resume_from_checkpoint", "--max_steps", "40")
+    assert "at step 24 and this run ends at step 24: nothing left to train" in bad("--resume_from_checkpoint")
+    assert "this run ends at step 16: nothing left" in bad("--resume_from_checkpoint", "--max_steps", "16")
     assert all((full_dir / name).read_bytes() == content for name, content in results.items())
     damaged = tmp_path / "damaged"
-    for step in (52, 56):
+    for step in (16, 20):
         shutil.copytree(full_dir / f"checkpoint-{step}", damaged / f"checkpoint-{step}")
     line = bad("--resume_from_checkpoint", "--max_seq_length", "24", output_dir=damaged)
     assert "written for other data (" in line and "max_seq_length 32 -> 24" in line
-    array = max((damaged / "checkpoint-56" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
+    array = max((damaged / "checkpoint-20" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
     array.write_bytes(array.read_bytes()[:100])
-    line = bad("--resume_from_checkpoint", str(damaged / "checkpoint-56"), output_dir=damaged)
-    assert f"--resume_from_checkpoint {damaged / 'checkpoint-56'} is damaged: " in line
+    line = bad("--resume_from_checkpoint", str(damaged / "checkpoint-20"), output_dir=damaged)
+    assert f"--resume_from_checkpoint {damaged / 'checkpoint-20'} is damaged: " in line
     resumed = check_ok(run(flax_args(MLM, request, corpus, damaged, *RESUMABLE, "--resume_from_checkpoint")))
     log = resumed.stdout + resumed.stderr
-    assert f"skipping {damaged / 'checkpoint-56'}: damaged (" in log and "Resuming at step 52" in log
+    assert f"skipping {damaged / 'checkpoint-20'}: damaged (" in log and "Resuming at step 16" in log
     assert "Traceback" not in log and "Event loop" not in log
     assert (damaged / "flax_model.msgpack").read_bytes() == (full_dir / "flax_model.msgpack").read_bytes()
     # An evaluation of another model into a training run's folder would mix its results with the run's.
@@ -216,13 +216,13 @@ def test_fsdp_on_eight_devices_trains_as_one_and_resumes_on_fewer(uninterrupted,
     assert all(abs(float(sharded[step]) - float(one_device[step])) <= 2e-4 for step in sharded), (sharded, one_device)
     for devices, per_device in ((2, "4"), (1, "8")):
         moved = tmp_path / f"on{devices}"
-        shutil.copytree(out / "checkpoint-28", moved / "checkpoint-28")
+        shutil.copytree(out / "checkpoint-12", moved / "checkpoint-12")
         resume = ("--per_device_train_batch_size", per_device, "--resume_from_checkpoint")
         env = fake_devices(devices)
         resumed = check_ok(run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *resume), env=env))
         log = resumed.stdout + resumed.stderr
         after = losses_by_step(log)
-        assert min(map(int, after)) == 30 and "Resuming at step 28" in log
+        assert min(map(int, after)) == 14 and "Resuming at step 12" in log
         assert all(abs(float(after[step]) - float(sharded[step])) <= 2e-4 for step in after), (
             after,
             sharded,
