@@ -22,6 +22,7 @@ os.environ.setdefault("USE_TF", "0")
 
 import tempfile
 
+import jax
 import numpy as np
 import torch
 import transformers
@@ -59,8 +60,9 @@ def model_classes(config):
     )
 
 
-def compare_logits(flax_model, pt_model, config, seed=0, batch=2, length=16):
-    """Largest absolute logit difference between the Flax and PyTorch models on random token ids."""
+def compare_logits(flax_model, params, pt_model, config, seed=0, batch=2, length=16):
+    """Largest absolute logit difference between the Flax and PyTorch models on random token ids (the Flax forward
+    compiled whole: one program, where op by op is a program an operation)."""
     rng = np.random.default_rng(seed)
     low = 5 if config.vocab_size > 10 else 0  # stay clear of the special tokens
     input_ids = rng.integers(low, config.vocab_size, size=(batch, length)).astype("i4")
@@ -68,7 +70,8 @@ def compare_logits(flax_model, pt_model, config, seed=0, batch=2, length=16):
     if config.is_encoder_decoder:
         decoder_input_ids = rng.integers(low, config.vocab_size, size=(batch, length // 2)).astype("i4")
         inputs["decoder_input_ids"] = decoder_input_ids
-    flax_logits = np.asarray(flax_model(**inputs).logits, dtype=np.float32)
+    flax_logits = jax.jit(lambda params, inputs: flax_model(**inputs, params=params).logits)(params, inputs)
+    flax_logits = np.asarray(flax_logits, dtype=np.float32)
     with torch.no_grad():
         pt_logits = pt_model(**{k: torch.from_numpy(v.astype("int64")) for k, v in inputs.items()}).logits.numpy()
     return float(np.abs(flax_logits - pt_logits).max())
@@ -104,14 +107,15 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     try:
         pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
-        flax_model = flax_cls.from_pretrained(args.model_dir)
+        # _do_init=False: the saved weights only, without a random set made first and thrown away
+        flax_model, params = flax_cls.from_pretrained(args.model_dir, _do_init=False)
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file becomes one line
         fail(
             f"cannot read {weights} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the file complete?"
         )
     pt_model.tie_weights()
     pt_model.eval()
-    difference = compare_logits(flax_model, pt_model, config)
+    difference = compare_logits(flax_model, params, pt_model, config)
     if not difference <= args.tolerance:
         fail(f"PyTorch and Flax logits differ by {difference:.2e} (> --tolerance {args.tolerance}); nothing written")
 

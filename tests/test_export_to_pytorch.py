@@ -28,16 +28,19 @@ TINY = {
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_pytorch_logits_equal_flax_logits(model_type, tmp_path):
+    import jax
     import transformers
 
     flax_name, auto_name, overrides = TINY[model_type]
     create_config = load_script("tokenizers/create_config.py", "create_config")
     config = create_config.build_config(model_type, vocab_size=300, config_overrides=overrides)
-    flax_model = getattr(transformers, flax_name)(config, seed=1)
-    # Move the weights away from their initial values, so a weight left at PyTorch's init would show.
-    flax_model.params = transformers.modeling_flax_utils.jax.tree_util.tree_map(lambda x: x + 0.01, flax_model.params)
+    flax_model = getattr(transformers, flax_name)(config, _do_init=False)
+    # Initialised as one compiled program (op by op, BART's init took 7 s); moved away from their initial values, so
+    # a weight left at PyTorch's init would show.
+    params = jax.jit(flax_model.init_weights, static_argnums=1)(jax.random.PRNGKey(1), (1, 1))
+    params = jax.tree_util.tree_map(lambda x: x + 0.01, params)
     flax_dir, pt_dir = tmp_path / "flax", tmp_path / "pt"
-    flax_model.save_pretrained(flax_dir)
+    flax_model.save_pretrained(flax_dir, params=params)
     result = check_ok(run(["flax/export_to_pytorch.py", "--model_dir", str(flax_dir), "--output_dir", str(pt_dir)]))
     assert "max |logit difference|" in result.stdout
     assert (pt_dir / "model.safetensors").exists()
@@ -48,7 +51,7 @@ def test_pytorch_logits_equal_flax_logits(model_type, tmp_path):
     inputs = {"input_ids": rng.integers(5, 300, size=(2, 12)).astype("i4")}
     if config.is_encoder_decoder:
         inputs["decoder_input_ids"] = rng.integers(5, 300, size=(2, 7)).astype("i4")
-    expected = np.asarray(flax_model(**inputs).logits)
+    expected = np.asarray(jax.jit(lambda params, inputs: flax_model(**inputs, params=params).logits)(params, inputs))
     with torch.no_grad():
         got = pt_model(**{k: torch.from_numpy(v.astype("int64")) for k, v in inputs.items()}).logits.numpy()
     assert got.shape == expected.shape
