@@ -159,7 +159,7 @@ def mirrored(prepared):
     over 2 logical CPU devices."""
     out = prepared / "mirrored"
     result = check_ok(
-        run(mlm_args(prepared, out, "--num_cpu_devices", "2", "--num_epochs", "3", "--per_replica_batch_size", "16"))
+        run(mlm_args(prepared, out, "--num_cpu_devices", "2", "--num_epochs", "3", "--per_replica_batch_size", "64"))
     )
     return out, result.stdout + result.stderr
 
@@ -170,8 +170,8 @@ def test_tpu_fallback_to_mirrored_two_cpus_and_loss_falls(mirrored):
     epochs = [float(x) for x in re.findall(r" - masked_loss: ([0-9.]+)", log)]
     assert len(epochs) == 3 and epochs[2] < epochs[0] - 0.2, epochs
     train = json.loads((out / "train_results.json").read_text())
-    assert train["num_devices"] == 2 and train["global_batch_size"] == 32 and train["strategy"] == "MirroredStrategy"
-    assert train["global_step"] == 3 * (train["train_samples"] // 32)
+    assert train["num_devices"] == 2 and train["global_batch_size"] == 128 and train["strategy"] == "MirroredStrategy"
+    assert train["global_step"] == 3 * (train["train_samples"] // 128)
 
 
 def test_metrics_written_and_model_reloads(mirrored):
@@ -269,7 +269,7 @@ def test_one_device_with_jit_compile(prepared):
     out = prepared / "xla"
     result = check_ok(
         run(
-            mlm_args(prepared, out, "--no_tpu", "--jit_compile", "--num_epochs", "1", "--per_replica_batch_size", "16")
+            mlm_args(prepared, out, "--no_tpu", "--jit_compile", "--max_steps", "24", "--per_replica_batch_size", "16")
         )
     )
     log = result.stdout + result.stderr
