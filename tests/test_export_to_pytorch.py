@@ -61,10 +61,26 @@ def test_pytorch_logits_equal_flax_logits(model_type, tmp_path):
 
 
 def test_export_bad_input(tmp_path, tiny_model_dir):
-    assert "flax_model.msgpack" in error_line(
-        run(["flax/export_to_pytorch.py", "--model_dir", str(tiny_model_dir), "--output_dir", str(tmp_path / "x")]),
-        "export_to_pytorch.py",
+    import jax
+    import transformers
+
+    def export(model_dir):
+        command = ["flax/export_to_pytorch.py", "--model_dir", str(model_dir), "--output_dir", str(tmp_path / "x")]
+        return error_line(run(command), "export_to_pytorch.py")
+
+    assert "flax_model.msgpack" in export(tiny_model_dir)
+    # A model without its head, labelled as the model with one: weights missing, one line, nothing written.
+    config = transformers.RobertaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
     )
+    headless = transformers.FlaxRobertaModel(config, _do_init=False)
+    params = jax.jit(headless.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
+    headless.save_pretrained(tmp_path / "headless", params=params)
+    labelled = tmp_path / "headless" / "config.json"
+    labelled.write_text(labelled.read_text().replace('"RobertaModel"', '"RobertaForMaskedLM"'))
+    line = export(tmp_path / "headless")
+    assert "lacks weights of FlaxRobertaForMaskedLM" in line and "lm_head" in line
+    assert not (tmp_path / "x").exists()
 
 
 def test_flax_scripts_start_from_pytorch_weights(gpt2_dir, tiny_model_dir, corpus, tmp_path):
