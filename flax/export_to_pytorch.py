@@ -5,7 +5,8 @@
 on the `meta` device and the first forward pass fails. This builds the PyTorch model from the config,
 loads the Flax weights into it with `load_flax_checkpoint_in_pytorch_model`, saves it with
 `save_pretrained` (model.safetensors) beside a copy of the tokenizer, and then checks that PyTorch and
-Flax give the same logits on a random batch (max abs difference <= --tolerance, default 1e-4).
+Flax give the same logits on a random batch (max abs difference <= --tolerance, default 1e-4); a base
+model without a head (e.g. RobertaModel) is checked by its last hidden states.
 
 Example:
   python flax/export_to_pytorch.py --model_dir out/main/run --output_dir out/main/pytorch
@@ -61,9 +62,10 @@ def model_classes(config):
     )
 
 
-def compare_logits(flax_model, params, pt_model, config, seed=0, batch=2, length=16):
-    """Largest absolute logit difference between the Flax and PyTorch models on random token ids (the Flax forward
-    compiled whole: one program, where op by op is a program an operation)."""
+def compare_outputs(flax_model, params, pt_model, config, seed=0, batch=2, length=16):
+    """(largest absolute difference, its name) between the Flax and PyTorch models' first outputs on random token
+    ids: the logits, or a base model's last hidden states (the Flax forward compiled whole: one program, where op by
+    op is a program an operation)."""
     rng = np.random.default_rng(seed)
     low = 5 if config.vocab_size > 10 else 0  # stay clear of the special tokens
     input_ids = rng.integers(low, config.vocab_size, size=(batch, length)).astype("i4")
@@ -71,11 +73,11 @@ def compare_logits(flax_model, params, pt_model, config, seed=0, batch=2, length
     if config.is_encoder_decoder:
         decoder_input_ids = rng.integers(low, config.vocab_size, size=(batch, length // 2)).astype("i4")
         inputs["decoder_input_ids"] = decoder_input_ids
-    flax_logits = jax.jit(lambda params, inputs: flax_model(**inputs, params=params).logits)(params, inputs)
-    flax_logits = np.asarray(flax_logits, dtype=np.float32)
+    flax_output = jax.jit(lambda params, inputs: flax_model(**inputs, params=params))(params, inputs)
+    name, flax_first = next(iter(flax_output.items()))
     with torch.no_grad():
-        pt_logits = pt_model(**{k: torch.from_numpy(v.astype("int64")) for k, v in inputs.items()}).logits.numpy()
-    return float(np.abs(flax_logits - pt_logits).max())
+        pt_first = pt_model(**{k: torch.from_numpy(v.astype("int64")) for k, v in inputs.items()})[name].numpy()
+    return float(np.abs(np.asarray(flax_first, dtype=np.float32) - pt_first).max()), name.replace("_", " ")
 
 
 def main(argv=None):
@@ -84,7 +86,7 @@ def main(argv=None):
     parser.add_argument("--model_dir", required=True, help="folder with config.json and flax_model.msgpack")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--overwrite_output_dir", action="store_true")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed logit difference")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed output difference")
     args = parser.parse_args(argv)
 
     weights = os.path.join(args.model_dir, "flax_model.msgpack")
@@ -104,7 +106,7 @@ def main(argv=None):
     flax_cls, pt_cls = model_classes(config)
 
     # transformers warns that tied output weights (e.g. RoBERTa's lm_head.decoder) were "newly
-    # initialized": they are tied to the loaded embeddings. The logit check below is the real test.
+    # initialized": they are tied to the loaded embeddings. The output check below is the real test.
     transformers.logging.set_verbosity_error()
     try:
         pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
@@ -117,13 +119,15 @@ def main(argv=None):
     pt_model.tie_weights()
     pt_model.eval()
     try:
-        difference = compare_logits(flax_model, params, pt_model, config)
+        difference, compared = compare_outputs(flax_model, params, pt_model, config)
     except ScopeParamNotFoundError as e:  # read without a random set to fill gaps: a weight of the class is missing
         fail(
             f"{weights} lacks weights of {flax_cls.__name__} ({str(e).split(' (')[0]}); was it saved from that model?"
         )
     if not difference <= args.tolerance:
-        fail(f"PyTorch and Flax logits differ by {difference:.2e} (> --tolerance {args.tolerance}); nothing written")
+        fail(
+            f"PyTorch and Flax {compared} differ by {difference:.2e} (> --tolerance {args.tolerance}); nothing written"
+        )
 
     pt_model.save_pretrained(args.output_dir, safe_serialization=True)
     if any(os.path.exists(os.path.join(args.model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -132,7 +136,7 @@ def main(argv=None):
         print(f"No tokenizer in {args.model_dir}: only the model was exported", file=sys.stderr)
     print(
         f"Exported {pt_cls.__name__} to {args.output_dir} (model.safetensors); "
-        f"max |logit difference| vs Flax: {difference:.2e}"
+        f"max |difference| of the {compared} vs Flax: {difference:.2e}"
     )
 
 

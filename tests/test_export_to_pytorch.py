@@ -42,7 +42,7 @@ def test_pytorch_logits_equal_flax_logits(model_type, tmp_path):
     flax_dir, pt_dir = tmp_path / "flax", tmp_path / "pt"
     flax_model.save_pretrained(flax_dir, params=params)
     result = check_ok(run(["flax/export_to_pytorch.py", "--model_dir", str(flax_dir), "--output_dir", str(pt_dir)]))
-    assert "max |logit difference|" in result.stdout
+    assert "max |difference| of the logits" in result.stdout
     assert (pt_dir / "model.safetensors").exists()
 
     pt_model = getattr(transformers, auto_name).from_pretrained(pt_dir).eval()
@@ -65,10 +65,9 @@ def test_export_bad_input(tmp_path, tiny_model_dir):
     import transformers
 
     def export(model_dir):
-        command = ["flax/export_to_pytorch.py", "--model_dir", str(model_dir), "--output_dir", str(tmp_path / "x")]
-        return error_line(run(command), "export_to_pytorch.py")
+        return run(["flax/export_to_pytorch.py", "--model_dir", str(model_dir), "--output_dir", str(tmp_path / "x")])
 
-    assert "flax_model.msgpack" in export(tiny_model_dir)
+    assert "flax_model.msgpack" in error_line(export(tiny_model_dir), "export_to_pytorch.py")
     # A model without its head, labelled as the model with one: weights missing, one line, nothing written.
     config = transformers.RobertaConfig(
         vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
@@ -77,10 +76,15 @@ def test_export_bad_input(tmp_path, tiny_model_dir):
     params = jax.jit(headless.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
     headless.save_pretrained(tmp_path / "headless", params=params)
     labelled = tmp_path / "headless" / "config.json"
-    labelled.write_text(labelled.read_text().replace('"RobertaModel"', '"RobertaForMaskedLM"'))
-    line = export(tmp_path / "headless")
+    base = labelled.read_text()
+    labelled.write_text(base.replace('"RobertaModel"', '"RobertaForMaskedLM"'))
+    line = error_line(export(tmp_path / "headless"), "export_to_pytorch.py")
     assert "lacks weights of FlaxRobertaForMaskedLM" in line and "lm_head" in line
     assert not (tmp_path / "x").exists()
+    # Labelled as what it is, the base model exports, checked by its last hidden states.
+    labelled.write_text(base)
+    assert "max |difference| of the last hidden state" in check_ok(export(tmp_path / "headless")).stdout
+    assert type(transformers.AutoModel.from_pretrained(tmp_path / "x")).__name__ == "RobertaModel"
 
 
 def test_flax_scripts_start_from_pytorch_weights(gpt2_dir, tiny_model_dir, corpus, tmp_path):
