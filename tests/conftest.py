@@ -77,23 +77,33 @@ def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
     )
 
 
+def start(args, log, env=None):
+    """Start a project script as a file, its output (stdout and stderr) going to the file `log`, not to a pipe: a
+    process stops once a pipe nobody reads is full (64 KiB), and XLA:CPU can log 3 KB at each load of a cached
+    program (where LLVM tunes for the CPU with +prefer-no-gather, as on Intel Xeons with AVX-512)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def finish(procs, timeout=600):
+    """Wait for each process that start() started; returns what each printed."""
+    for proc in procs:
+        proc.wait(timeout)
+    return [Path(proc.log).read_text() for proc in procs]
+
+
 def kill_after_first_checkpoint(args, output_dir, env=None, signum=signal.SIGKILL):
     """Start a training run and send it `signum` (kill -9) once its first checkpoint (checkpoint-4) is complete;
     return what it printed."""
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=script_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start(args, output_dir.with_name(output_dir.name + ".log"), script_env(env))
     deadline = time.time() + 300
     while not (output_dir / "checkpoint-4" / "trainer_state").is_dir():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.02)
     os.kill(proc.pid, signum)
-    output = proc.communicate()[0]
+    [output] = finish([proc])
     assert proc.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), output[-3000:]
     return output
 

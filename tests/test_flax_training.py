@@ -8,8 +8,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,14 +15,15 @@ import pytest
 from conftest import (
     FLAX_TRAINING_SCRIPTS,
     FOUR_DEVICES,
-    ROOT,
     TWO_DEVICES,
     check_ok,
     error_line,
+    finish,
     flax_args,
     load_script,
     logged_losses,
     run,
+    start,
 )
 
 MLM = "flax/run_mlm_flax.py"
@@ -236,7 +235,7 @@ def test_two_sharded_hosts_match_one_host_with_four_devices(path, request, corpu
     fsdp = ("--fsdp", "full_shard" if path == MLM else "hybrid_shard")
     multi = flax_args(path, request, corpus, tmp_path / "multi", *steps, *fsdp)
     procs = start_two_hosts(multi, tmp_path, LM_CPU_BF16="1", **TWO_DEVICES)
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    logs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "4 devices (2 local)" in logs[0] and not any("no bf16 instructions" in log for log in logs)
     expected = logged_losses(single.stdout + single.stderr)
@@ -266,8 +265,7 @@ def start_two_hosts(args, tmp_path, **env):
             "HF_DATASETS_CACHE": str(tmp_path / f"cache{rank}"),
             **env,
         }
-        popen = dict(cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        procs.append(subprocess.Popen([sys.executable, *args], **popen))
+        procs.append(start(args, tmp_path / f"host{rank}.log", environment))
     return procs
 
 
@@ -283,14 +281,14 @@ def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, c
         assert all(p.poll() is None for p in procs) and time.time() < deadline, "no first checkpoint"
         time.sleep(0.02)
     procs[1].send_signal(signal.SIGTERM)
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    logs = finish(procs, timeout=300)
     assert [p.returncode for p in procs] == [143, 143], logs[0][-3000:] + logs[1][-3000:]
     stopped = [re.search(r"stopped at step (\d+) on SIGTERM; (\S+) saved", log) for log in logs]
     assert stopped[0] and stopped[1] and stopped[0].groups() == stopped[1].groups(), logs[0][-2000:]
     assert int(stopped[0][1]) < 200 and (out / f"checkpoint-{stopped[0][1]}" / "trainer_state").is_dir()
     resume = ["--resume_from_checkpoint", "--max_steps", str(int(stopped[0][1]) + 2), "--fsdp", "hybrid_shard"]
     procs = start_two_hosts([*args, *resume], tmp_path, **TWO_DEVICES)
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    logs = finish(procs, timeout=300)
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert f"Resuming at step {stopped[0][1]}" in logs[0] and len(logged_losses(logs[0])) == 2
 
