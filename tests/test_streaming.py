@@ -14,6 +14,7 @@ from conftest import (
     FLAX_TRAINING_SCRIPTS,
     check_ok,
     error_line,
+    finish,
     flax_args,
     kill_after_first_checkpoint,
     load_script,
@@ -115,7 +116,7 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
     def on_two_hosts(output_dir, *extra):
         args[args.index("--output_dir") + 1] = str(output_dir)
         procs = start_two_hosts(["-c", ROWS_REPORT, *args, *extra], tmp_path)
-        logs = [p.communicate(timeout=300)[0] for p in procs]
+        logs = finish(procs, timeout=300)
         assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
         return [rows(log) for log in logs]
 
