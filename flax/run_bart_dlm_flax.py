@@ -2372,11 +2372,15 @@ def open_summary_writer(training_args):
     into an earlier run's."""
     if training_args.report_to == "none" or jax.process_index() != 0:
         return None
+    hidden = sys.modules.setdefault("torch", None) is None  # tensorboardX imports torch (1 s) only for its tensors
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
         logger.warning("tensorboardX is not installed: no TensorBoard logs (pip install -r requirements.txt)")
         return None
+    finally:
+        if hidden:
+            del sys.modules["torch"]
     run_name = f"{datetime.datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
     return SummaryWriter(logdir=os.path.join(training_args.output_dir, "runs", run_name))
 

@@ -150,7 +150,12 @@ def test_trainer_compatible_logs_and_results(request, corpus, tmp_path):
         "--peak_tflops",
         "1",
     )
-    first = check_ok(run(args))
+    # A Flax run never imports torch (requirements.txt has it for the PyTorch scripts; tensorboardX would import it,
+    # 1 s at each start): here torch's import fails the run.
+    (tmp_path / "no_torch" / "torch").mkdir(parents=True)
+    (tmp_path / "no_torch" / "torch" / "__init__.py").write_text("raise RuntimeError('a Flax run imported torch')")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "no_torch"), os.environ.get("PYTHONPATH")]))
+    first = check_ok(run(args, env={"PYTHONPATH": path}))
     time.sleep(1.1)  # the run folder is named to the second
     second = check_ok(run(args))
     assert "hf_SECRET" not in first.stdout + first.stderr + second.stdout + second.stderr
