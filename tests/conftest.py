@@ -1,7 +1,12 @@
 """Shared fixtures: a slice of the real default corpus (Penn Treebank), a tiny tokenizer and config."""
 
+import atexit
+import contextlib
+import functools
 import importlib.util
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -9,7 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -29,20 +36,24 @@ BENCHMARK_BATCH = ("--batch_size", "16", "--seq_len", "32")
 
 # The suite's programs are tiny and run a few steps, so LLVM's optimisation of XLA's CPU code costs more than it
 # saves: about half of each compile. The suite, and every process it starts, compiles at optimisation level 0 (on a
-# Zen 1, a tiny MLM run of 60 steps took 25 s of CPU in place of 33): the same programs, less optimised machine code.
-# An XLA_FLAGS already set (such as --xla_cpu_max_isa=AVX2, or another level) is kept.
-LEVEL_0 = "--xla_backend_optimization_level=0"
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + LEVEL_0).strip()
+# Zen 1, a tiny MLM run of 60 steps took 25 s of CPU in place of 33), and with XLA:CPU's older fusion emitters (on an
+# Intel Xeon, family 6 model 167, a tiny MLM train step compiled in 1.1-1.3 s in place of 1.6-2.0): the same programs,
+# less optimised machine code. A flag already in XLA_FLAGS (such as --xla_cpu_max_isa=AVX2, or another level) is kept.
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+for flag in SUITE_XLA_FLAGS:
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 @pytest.fixture(scope="module")
 def optimised_xla():
-    """XLA_FLAGS without the suite's level 0 for every process a file's tests start: for the files whose XLA programs
+    """XLA_FLAGS without the suite's flags for every process a file's tests start: for the files whose XLA programs
     spend their time in steps, not compiles (the benchmarks' larger batches, 2.5 times slower a step at level 0, and
     TensorFlow's jit_compile runs: a test of them took 182 s in a suite run at level 0, 75 s in one before it)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XLA_FLAGS", " ".join(flag for flag in os.environ["XLA_FLAGS"].split() if flag != LEVEL_0))
+        patch.setenv(
+            "XLA_FLAGS", " ".join(flag for flag in os.environ["XLA_FLAGS"].split() if flag not in SUITE_XLA_FLAGS)
+        )
         yield
 
 
@@ -165,15 +176,55 @@ def error_line(result, prefix):
     return last
 
 
+@functools.cache
+def script_module(path):
+    return load_script(path, "refusing_" + path.replace("/", "_")[:-3])
+
+
+def refusal(args):
+    """Run args (a script and its command line) through the script's main() here, then what the script registered
+    to run at exit (removing a folder it made); returns the one error line. Python prints a SystemExit's message on
+    stderr on the way out, so the message is the last line."""
+    path, stderr, root, at_exit = args[0], io.StringIO(), logging.getLogger(), []
+    module, register = script_module(path), atexit.register
+    saved = root.handlers[:], root.level  # the scripts set up logging on the stderr of their call
+    try:
+        with (
+            mock.patch.object(sys, "argv", args),
+            contextlib.redirect_stderr(stderr),
+            mock.patch.object(
+                atexit,
+                "register",
+                lambda f, *a, **k: (
+                    at_exit.append(f) if getattr(f, "__module__", "") == module.__name__ else register(f, *a, **k)
+                ),
+            ),
+        ):
+            module.main()
+        raise AssertionError(f"{path} accepted {args[1:]}")
+    except SystemExit as exit:
+        code = exit.code
+        traceback.clear_frames(exit.__traceback__)  # main()'s locals go now, as at a process's end: the folder's lock
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    for hook in at_exit:
+        hook()
+    message = f"{code}\n" if isinstance(code, str) else ""
+    result = subprocess.CompletedProcess(args, 1 if message else code or 0, "", stderr.getvalue() + message)
+    return error_line(result, path.split("/")[-1])
+
+
 def bad_input(make_args, prefix, default_output):
     """A caller for bad-input tests: runs make_args(output_dir, *extra) (with --train_file replaced when
-    train_file is given) and returns the one error line the script must print."""
+    train_file is given) and returns the one error line the script must print; in this process (refusal), but for an
+    `env` of its own."""
 
     def call(*extra, env=None, train_file=None, output_dir=None):
         args = make_args(output_dir or default_output, *extra)
         if train_file is not None:
             args[args.index("--train_file") + 1] = str(train_file)
-        return error_line(run(args, env=env), prefix)
+        return error_line(run(args, env=env), prefix) if env else refusal(args)
 
     return call
 

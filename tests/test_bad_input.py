@@ -1,53 +1,20 @@
 """Bad input, in every script: one line on stderr naming the argument or file and what to do, a non-zero
 exit, no traceback, nothing lost, and the check made before any long work. One test per class of mistake.
-The cases call each script's main() in this process with its command line in sys.argv (upstream's example tests
-do the same), so each script is imported once; the tests of each script's own file (and conftest's bad_input)
-run their refusals as processes."""
+The cases call each script's main() in this process with its command line in sys.argv (conftest's refusal, as
+upstream's example tests do), so each script is imported once."""
 
-import contextlib
 import fcntl
-import functools
-import io
 import json
-import logging
-import os
 import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from unittest import mock
 
 import pytest
-from conftest import ROOT, check_ok, error_line, flax_args, load_script, run
+from conftest import ROOT, check_ok, error_line, flax_args, refusal, run, script_module
 
 MLM = "flax/run_mlm_flax.py"
 SIBLINGS = ("flax/run_clm_flax.py", "flax/run_t5_mlm_flax.py", "flax/run_bart_dlm_flax.py")
-
-
-@functools.cache
-def script_module(path):
-    return load_script(path, "refusing_" + path.replace("/", "_")[:-3])
-
-
-def refusal(args):
-    """Run args (a script and its command line) through the script's main() here; returns the one error line.
-    Python prints a SystemExit's message on stderr on the way out, so the message is the last line."""
-    path, stderr, root = args[0], io.StringIO(), logging.getLogger()
-    saved = root.handlers[:], root.level  # the scripts set up logging on the stderr of their call
-    try:
-        with (
-            mock.patch.object(sys, "argv", args),
-            contextlib.redirect_stderr(stderr),
-            pytest.raises(SystemExit) as exit,
-        ):
-            script_module(path).main()
-    finally:
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
-    code = exit.value.code
-    message = f"{code}\n" if isinstance(code, str) else ""
-    result = subprocess.CompletedProcess(args, 1 if message else code or 0, "", stderr.getvalue() + message)
-    return error_line(result, path.split("/")[-1])
 
 
 def errors(*cases):
@@ -390,7 +357,7 @@ def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
             "--shuffle_buffer_size must be positive",
         ),
     )
-    assert not out.exists() and os.listdir(tmp_path / "locked") == [".lock"]  # removed at exit, outside pytest
+    assert not out.exists() and not (tmp_path / "locked").exists()  # made after the lock, removed at exit
 
 
 def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_path, caplog):

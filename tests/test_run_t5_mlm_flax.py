@@ -13,6 +13,7 @@ from conftest import (
     eval_reloaded,
     load_script,
     logged_losses,
+    refusal,
     renamed_copy,
     run,
     script_args,
@@ -169,10 +170,8 @@ def test_bad_input(t5_dir, corpus, tmp_path):
         str(corpus / "train_slice.txt"),
         "--do_train",
     ]
-    assert "does not exist" in error_line(
-        run(base[:-3] + ["--train_file", str(tmp_path / "nope.txt"), "--do_train"]), "run_t5_mlm_flax.py"
-    )
-    assert "--mlm_probability" in error_line(run(base + ["--mlm_probability", "1.5"]), "run_t5_mlm_flax.py")
+    assert "does not exist" in refusal(base[:-3] + ["--train_file", str(tmp_path / "nope.txt"), "--do_train"])
+    assert "--mlm_probability" in refusal(base + ["--mlm_probability", "1.5"])
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_t5_mlm_flax.py")
 
@@ -191,7 +190,7 @@ def test_more_noise_spans_than_sentinels_is_refused(t5_dir, corpus, tmp_path):
         "0.5",
         "--do_train",
     )
-    line = error_line(run(args), "run_t5_mlm_flax.py")
+    line = refusal(args)
     assert "makes 128 noise spans per block, but the tokenizer has 100 <extra_id_N> sentinels" in line
     assert not (tmp_path / "o").exists()
 

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import TINY_ROBERTA, check_ok, datasets_cache, error_line, hub_cache, load_script, run
+from conftest import TINY_ROBERTA, check_ok, datasets_cache, error_line, hub_cache, load_script, refusal, run
 
 MAX_LENGTH = 64
 pytestmark = pytest.mark.usefixtures("optimised_xla")
@@ -344,17 +344,15 @@ def test_masked_metrics_match_a_hand_computation(script):
 def test_bad_shards(prepared, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    line = error_line(
-        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(empty))), "run_mlm.py"
-    )
+    line = refusal(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(empty)))
     assert "no .tfrecord files found" in line
     unnamed = tmp_path / "unnamed"
     unnamed.mkdir()
     shutil.copy(next((prepared / "shards" / "train").glob("*.tfrecord")), unnamed / "data.tfrecord")
-    assert "-<shard>-<count>.tfrecord" in error_line(
-        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(unnamed))), "run_mlm.py"
+    assert "-<shard>-<count>.tfrecord" in refusal(
+        mlm_args(prepared, tmp_path / "out", "--no_tpu", "--train_dataset", str(unnamed))
     )
-    line = error_line(run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_length", "128")), "run_mlm.py")
+    line = refusal(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_length", "128"))
     assert "sequences of 64 tokens" in line and "--max_length is 128" in line
     assert not (tmp_path / "out").exists()
 
@@ -425,8 +423,9 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
 def test_shards_of_another_tokenizer_are_refused(prepared, tiny_model_dir, tmp_path):
     """Shards written with a 2,000-token tokenizer, trained with a 1,000-token one: ids past the vocabulary, refused
     in one line before training."""
-    result = run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir)))
-    line = error_line(result, "run_mlm.py")
+    line = error_line(
+        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir))), "run_mlm.py"
+    )
     assert "--train_dataset" in line and "but the tokenizer has 1000 tokens" in line, line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
