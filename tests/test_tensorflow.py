@@ -423,9 +423,7 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
 def test_shards_of_another_tokenizer_are_refused(prepared, tiny_model_dir, tmp_path):
     """Shards written with a 2,000-token tokenizer, trained with a 1,000-token one: ids past the vocabulary, refused
     in one line before training."""
-    line = error_line(
-        run(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir))), "run_mlm.py"
-    )
+    line = refusal(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir)))
     assert "--train_dataset" in line and "but the tokenizer has 1000 tokens" in line, line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
