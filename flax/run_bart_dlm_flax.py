@@ -501,7 +501,7 @@ def main(argv=None):
     lock = start_process(model_args, training_args)
 
     raw_datasets = load_raw_datasets(model_args, data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args)
+    config, tokenizer = load_config_and_tokenizer(model_args, training_args.gradient_checkpointing)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
     fit_attention(config, max_seq_length)
     dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
@@ -1316,9 +1316,10 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
 # --- model and plan ----------------------------------------------------------------------------------------------
 
 
-def load_config_and_tokenizer(model_args):
+def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, fitted to the
-    objective (fit_objective), then checked against each other."""
+    objective (fit_objective), then checked against each other and against --gradient_checkpointing (which only
+    some of transformers' Flax models implement)."""
     args = model_args
     kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
     config_path = args.config_name or args.model_name_or_path
@@ -1338,6 +1339,11 @@ def load_config_and_tokenizer(model_args):
     fit_objective(config, tokenizer, tokenizer_source)  # may add tokens and grow config.vocab_size first
     heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
+    flax_class = MODEL_CLASS._model_mapping[type(config)] if type(config) in MODEL_CLASS._model_mapping else None
+    no_remat = (
+        getattr(flax_class, "enable_gradient_checkpointing", None)
+        is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing
+    )
     for refused, message in (
         (
             config.model_type not in MODEL_TYPES,
@@ -1350,6 +1356,10 @@ def load_config_and_tokenizer(model_args):
         (
             uneven,
             f"the config's hidden size {getattr(config, 'hidden_size', 0)} is not divisible by its {(uneven or [0])[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)",
+        ),
+        (
+            gradient_checkpointing and no_remat,
+            f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its activations; drop the flag, or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps",
         ),
     ):
         if refused:
@@ -1743,7 +1753,7 @@ def compile_for_topology(model_args, data_args, training_args):
     if not (args.do_train or args.do_eval):
         fail("nothing to compile: pass --do_train and/or --do_eval")
     validate_objective(data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args)
+    config, tokenizer = load_config_and_tokenizer(model_args, args.gradient_checkpointing)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
     fit_attention(config, max_seq_length)
     devices, hbm, what = topology_devices(args.compile_topology)

@@ -247,6 +247,7 @@ def test_trains_on_two_devices_and_reloads(trained, tmp_path):
 def test_bad_input(bart_dir, corpus, tmp_path):
     base = script_args(SCRIPT, "bart", bart_dir, corpus, tmp_path / "o", "--do_train")
     assert "--permute_sentence_ratio" in refusal(base + ["--permute_sentence_ratio", "2"])
+    assert "Flax bart model cannot recompute" in refusal(base + ["--gradient_checkpointing"])
     short = tmp_path / "short"
     check_ok(
         run(

@@ -195,6 +195,7 @@ def test_bad_input(gpt2_dir, corpus, tmp_path):
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
     assert "--overwrite_output_dir" in bad(output_dir=busy)
+    assert "Flax gpt2 model cannot recompute" in bad("--gradient_checkpointing")
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in bad("--dataset_name", "wikitext", env=offline)
     assert not (tmp_path / "out").exists()
