@@ -1318,8 +1318,7 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
 
 def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, fitted to the
-    objective (fit_objective), then checked against each other and against --gradient_checkpointing (which only
-    some of transformers' Flax models implement)."""
+    objective (fit_objective), then checked against each other and against --gradient_checkpointing."""
     args = model_args
     kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
     config_path = args.config_name or args.model_name_or_path
@@ -1340,10 +1339,7 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
     flax_class = MODEL_CLASS._model_mapping[type(config)] if type(config) in MODEL_CLASS._model_mapping else None
-    no_remat = (
-        getattr(flax_class, "enable_gradient_checkpointing", None)
-        is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing
-    )
+    remat = getattr(flax_class, "enable_gradient_checkpointing", None)  # not every Flax model overrides it
     for refused, message in (
         (
             config.model_type not in MODEL_TYPES,
@@ -1358,7 +1354,7 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
             f"the config's hidden size {getattr(config, 'hidden_size', 0)} is not divisible by its {(uneven or [0])[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)",
         ),
         (
-            gradient_checkpointing and no_remat,
+            gradient_checkpointing and remat is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing,
             f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its activations; drop the flag, or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps",
         ),
     ):
