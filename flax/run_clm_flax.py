@@ -1696,11 +1696,12 @@ def compile_for_topology(model_args, data_args, training_args):
     too_big = []
     for name, (step, inputs) in steps.items():
         too_big += compile_report(name, step, inputs, hbm)
-    if too_big:
-        fail(
-            "; ".join(too_big)
-            + ": lower the batch, add --gradient_accumulation_steps, --fsdp or --gradient_checkpointing"
-        )
+    base = transformers.FlaxPreTrainedModel.enable_gradient_checkpointing  # not every Flax model overrides it
+    more = ["--fsdp full_shard"] * (not args.fsdp) + ["--gradient_checkpointing"] * (
+        type(model).enable_gradient_checkpointing is not base and not args.gradient_checkpointing
+    )
+    if too_big:  # the remedies this run does not use yet and its model allows
+        fail("; ".join(too_big) + ": lower the batch, or add " + ", ".join(["--gradient_accumulation_steps", *more]))
 
 
 def synthetic_rows(data_args, tokenizer, max_seq_length, count):

@@ -84,6 +84,13 @@ def test_the_steps_compile_for_gpus_and_one_too_big_for_the_gpu_is_refused(reque
     args = [MLM, "--output_dir", str(tmp_path / "out"), "--config_name", str(big), "--tokenizer_name", str(big)]
     line = error_line(run([*args, "--do_train", "--compile_topology", "a100"], env=GPU), "run_mlm_flax.py")
     assert re.search(r"the train step does not fit: it needs [0-9.]+ GiB of a device's 80.00 GiB, [0-9.]+ GiB", line)
+    assert line.endswith("or add --gradient_accumulation_steps, --fsdp full_shard, --gradient_checkpointing"), line
+    # GPT-2's Flax model cannot recompute its activations: the hint names only what this run can still add
+    big = with_vocabulary(request.getfixturevalue("gpt2_dir"), 100_000_000, tmp_path / "big_gpt2")
+    args = ["flax/run_clm_flax.py", "--output_dir", str(tmp_path / "out"), "--config_name", str(big)]
+    args += ["--tokenizer_name", str(big), "--block_size", "32", "--do_train", "--fsdp", "full_shard"]
+    line = error_line(run([*args, "--compile_topology", "a100"], env=GPU), "run_clm_flax.py")
+    assert line.endswith(" GiB more: lower the batch, or add --gradient_accumulation_steps"), line
 
 
 def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused(tiny_model_dir, corpus, tmp_path):
