@@ -321,3 +321,35 @@ def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch)
     assert calls == [0]
     step(np.ones(13, np.float32)).block_until_ready()  # compiled already: no trim
     assert calls == [0]
+
+
+def test_new_weights_are_drawn_on_the_default_device_where_jax_platforms_leaves_out_the_cpu(monkeypatch):
+    """init_model draws a new model's weights with XLA:CPU; with JAX_PLATFORMS=cuda (no CPU backend, faked here) it
+    draws the same weights on the default device instead of stopping."""
+    from types import SimpleNamespace
+
+    import jax
+    import transformers
+
+    script = load_script(MLM, "platforms_run_mlm_flax")
+    config = transformers.RobertaConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    args = (None, SimpleNamespace(dtype="float32", trust_remote_code=False))
+    args += (SimpleNamespace(seed=3, gradient_checkpointing=False), False)
+    _, on_cpu = script.init_model(transformers.FlaxAutoModelForMaskedLM, config, *args)
+    local_devices = jax.local_devices
+
+    def no_cpu_backend(process_index=None, backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return local_devices(process_index, backend)
+
+    monkeypatch.setattr(jax, "local_devices", no_cpu_backend)
+    platforms = jax.config.jax_platforms
+    jax.config.update("jax_platforms", "cuda")  # read by init_model only: this process's backends stay as they are
+    try:
+        _, on_default = script.init_model(transformers.FlaxAutoModelForMaskedLM, config, *args)
+    finally:
+        jax.config.update("jax_platforms", platforms)
+    assert jax.tree.all(jax.tree.map(np.array_equal, on_cpu, on_default))
