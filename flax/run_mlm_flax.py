@@ -1328,7 +1328,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     if path and not abstract:
-        model, params = load_pretrained(model_class, config, path, model_args, kwargs)
+        model, params = load_pretrained(model_class, config, path, model_args, training_args, kwargs)
     else:
         model = model_class.from_config(config, **kwargs)
         init = functools.partial(model.init_weights, model.key, model.input_shape)
@@ -1340,7 +1340,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     return model, params
 
 
-def load_pretrained(model_class, config, path, model_args, kwargs):
+def load_pretrained(model_class, config, path, model_args, training_args, kwargs):
     """A pretrained model and its parameters from `path` (a folder, or a hub name): its Flax weights, or else its
     PyTorch ones (pytorch_model.bin, sharded or not, or model.safetensors), converted as transformers' from_pt does.
     Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
@@ -1369,27 +1369,27 @@ def load_pretrained(model_class, config, path, model_args, kwargs):
     except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
         fail(f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?")
     if loaded is not config:
-        model, params = grow_vocabulary(model_class, config, params, kwargs, saved)
+        model, fresh = init_model(model_class, config, None, model_args, training_args, abstract=False)
+        params = grow_vocabulary(config, params, fresh, saved)
     return model, params
 
 
-def grow_vocabulary(model_class, config, params, kwargs, old_size):
+def grow_vocabulary(config, params, fresh, old_size):
     """A pretrained model's parameters grown from old_size to config.vocab_size tokens (fit_objective added some), as
     PyTorch's resize_token_embeddings grows them: every array with an axis of the old vocabulary (embeddings, an
-    untied head, its bias) keeps its rows, and the new rows are the model's own initialisation."""
-    model = model_class.from_config(config, **kwargs)
-    fresh = traverse_util.flatten_dict(jax.jit(functools.partial(model.init_weights, model.key, model.input_shape))())
+    untied head, its bias) keeps its rows, and the new rows are those of `fresh`, a new model's, on the host."""
+    fresh = traverse_util.flatten_dict(fresh)
 
     def grow(name, old):
         new = fresh[name]
         axes = [d for d in range(new.ndim) if new.shape[d] != old.shape[d]]
         if not axes:
             return old
-        return jnp.concatenate([old, lax.slice_in_dim(new, old.shape[axes[0]], None, axis=axes[0])], axis=axes[0])
+        return np.concatenate([old, np.split(new, [old.shape[axes[0]]], axis=axes[0])[1]], axis=axes[0])
 
     grown = {name: grow(name, old) for name, old in traverse_util.flatten_dict(params).items()}
     logger.info(f"the vocabulary grew from {old_size} to {config.vocab_size} tokens: new embedding rows initialised")
-    return model, traverse_util.unflatten_dict(grown)
+    return traverse_util.unflatten_dict(grown)
 
 
 @dataclass
