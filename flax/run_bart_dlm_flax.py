@@ -544,11 +544,10 @@ def main(argv=None):
 # --- model, steps and loop -----------------------------------------------------------------------------------------
 
 
-def build_train_state(model_args, training_args, config, plan, abstract=False):
+def build_train_state(model_args, args, config, plan, abstract=False):
     """The model (build_model), its train state placed on plan.mesh as state_shardings says, and the learning-rate
     schedule; abstract=True gives only the state's shapes and shardings, a target to restore a checkpoint into."""
-    model, params = build_model(model_args, training_args, config, abstract)
-    args = training_args
+    model, params = build_model(model_args, args, config, abstract)
     schedule = create_learning_rate_fn(max(plan.total_steps, 1), args.warmup_steps, args.learning_rate)
     if args.adafactor:  # upstream's choice: the same schedule, no decay mask
         optimizer = optax.adafactor(learning_rate=schedule)
@@ -556,7 +555,9 @@ def build_train_state(model_args, training_args, config, plan, abstract=False):
         adam = (args.adam_beta1, args.adam_beta2, args.adam_epsilon)
         optimizer = optax.adamw(schedule, *adam, weight_decay=args.weight_decay, mask=decay_mask_fn)
 
-    create = functools.partial(train_state.TrainState.create, apply_fn=None, tx=optimizer)
+    def create(params):  # the step a strong int32, as restored: a resumed run compiles the fresh run's step program
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=optimizer).replace(step=jnp.int32(0))
+
     shapes = jax.eval_shape(create, params=params)
     shardings = state_shardings(shapes, plan.mesh, args.fsdp)
     if abstract:

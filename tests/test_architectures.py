@@ -124,6 +124,8 @@ def script_args(script, train_file, output_dir, length=SEQ_LEN, **model_args):
 def train_two_steps(script, model_args, data_args, training_args, rows):
     """main()'s and train()'s own calls, from the checks of the arguments to two train steps, without files or logs.
     Returns the model, its trained parameters, the last batch and each step's metrics."""
+    import jax
+
     script.validate_args(model_args, data_args, training_args)
     config, tokenizer = script.load_config_and_tokenizer(model_args)
     length = script.resolve_max_seq_length(data_args, config, tokenizer)
@@ -132,6 +134,8 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     plan = script.plan_training(training_args, {"train": rows}, length)
     collator = script.build_collator(data_args, config, tokenizer, length, {"train": rows})
     model, state, schedule = script.build_train_state(model_args, training_args, config, plan)
+    # Orbax restores no weakly typed array; a fresh state has none either, or a resumed run compiles another program
+    assert not [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(state) if x.weak_type]
     train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed, state=state)
     metrics, compiled = [], None
     for ids in script.epoch_batches(plan.num_train_examples, plan.train_batch_size, training_args.seed, 0)[:2]:
