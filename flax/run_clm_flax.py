@@ -731,6 +731,7 @@ CHOICES = {
     "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
     "fsdp": ("", "full_shard", "hybrid_shard"),
 }
+WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
 
 
 def setup_logging(log_level):
@@ -783,6 +784,8 @@ def validate_args(model_args, data_args, training_args):
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
+            if flag == "model_name_or_path" and not any(name.startswith(WEIGHTS) for name in os.listdir(path)):
+                fail(f"--{flag} {path} holds no {' or '.join(WEIGHTS)}: for a new model, use --config_name")
 
 
 def check_data_file(flag, path, whole=True):
@@ -1285,8 +1288,7 @@ def load_pretrained(model_class, config, path, model_args, training_args, kwargs
     PyTorch ones (pytorch_model.bin, sharded or not, or model.safetensors), converted as transformers' from_pt does.
     Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
     hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
-    files = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
-    names = [name for weights in files for name in (weights, f"{weights}.index.json")]
+    names = [name for weights in WEIGHTS for name in (weights, f"{weights}.index.json")]
     maybe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
     found = [name for name in names if transformers.utils.cached_file(path, name, **hub, **maybe)]
     if not found:

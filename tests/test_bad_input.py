@@ -572,6 +572,10 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
             "holds no config.json",
         ),
         (["flax/run_bert_flax.py", "--config_name", no_config], "holds no config.json"),
+        (  # checked before the data is tokenized, not when the weights are loaded
+            mlm(request, corpus, tmp_path / "e", "--model_name_or_path", str(tiny_model_dir)),
+            f"--model_name_or_path {tiny_model_dir} holds no flax_model.msgpack or pytorch_model.bin or model.safetensors",
+        ),
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
         (
             tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)),
