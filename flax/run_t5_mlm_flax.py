@@ -1360,11 +1360,9 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
 
 
 def init_model(model_class, config, path, model_args, training_args, abstract):
-    """A model of `model_class` and its parameters, on the host for build_train_state to place: loaded from `path`
-    if given, else new from `config`, drawn or converted by XLA:CPU (where XLA:GPU compiles T5 base's draws for
-    minutes; by the default device if JAX_PLATFORMS leaves out cpu; abstract=True: only the parameters' shapes).
-    --dtype bfloat16 builds an f32 model whose dense layers compute in bf16 (see bf16_dense); float16 is upstream's
-    model dtype. _do_init=False: the model keeps no copy of the weights."""
+    """A model of `model_class` and its parameters on the host, loaded from `path` or new from `config` by XLA:CPU
+    (XLA:GPU compiles T5's draws for minutes; the default device if JAX_PLATFORMS lacks cpu; abstract: shapes only).
+    --dtype bfloat16: an f32 model whose dense layers compute in bf16 (bf16_dense); _do_init=False: no weights kept."""
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     host = jax.local_devices(backend="cpu")[0] if "cpu" in (jax.config.jax_platforms or "cpu") else None
