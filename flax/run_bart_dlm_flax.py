@@ -1338,6 +1338,8 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
         names = f"{config_path or 'a new ' + args.model_type}, {tokenizer_source}"
         fail(f"cannot load the config or tokenizer ({names}): {first_line(e)}")
     fit_objective(config, tokenizer, tokenizer_source)  # may add tokens and grow config.vocab_size first
+    if args.model_name_or_path:  # pretrained embeddings grow to a larger tokenizer, as resize_token_embeddings does
+        config.vocab_size = max(config.vocab_size, len(tokenizer))
     heads = [getattr(config, name, 0) for name in ("num_attention_heads", "decoder_attention_heads")]
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
     flax_class = MODEL_CLASS._model_mapping[type(config)] if type(config) in MODEL_CLASS._model_mapping else None
@@ -1401,6 +1403,7 @@ def load_pretrained(model_class, config, path, model_args, training_args, kwargs
     loaded = type(config).from_dict({**config.to_dict(), "vocab_size": saved}) if saved < config.vocab_size else config
     try:
         if found[0].startswith("flax_model"):
+            logger.info(f"loading the Flax weights of {path} ({found[0]})")
             model, params = model_class.from_pretrained(path, config=loaded, **hub, **kwargs)
         else:  # transformers converts PyTorch weights only into a model that holds initialised parameters
             logger.info(f"{path} has no Flax weights: converting its PyTorch weights ({found[0]})")
@@ -1974,20 +1977,20 @@ class TrainingProgress:
     epoch: int = 0
     batch_in_epoch: int = 0  # the next batch of `epoch` to train on
     log_window: list = field(default_factory=list)  # loss_sums' [sum, count] pairs of each step since the last log
+    loss_sum: float = 0.0  # the training losses of every step so far, for train_loss
     stream: dict | None = None  # streamed: where this process is in its share (see stream_rows)
     last_checkpoint: str | None = None
 
 
 @dataclass
 class Loop:
-    """The loop's bookkeeping, not saved: metrics not yet fetched, the run's losses and tokens, the step's FLOPs and
+    """The loop's bookkeeping, not saved: metrics not yet fetched, this process's tokens, the step's FLOPs and
     batch shapes, the last evaluation, and the log window: its start, steps and tokens (evaluation and saving are
     left out of its time)."""
 
     first_step: int
     started: float = field(default_factory=time.perf_counter)
     pending: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
     tokens: int = 0
     flops: float | None = None
     shapes: list = field(default_factory=list)  # the batch shapes the step was compiled for
@@ -2023,7 +2026,7 @@ def timed_step(train_step, state, batch, loop):
 
 
 def fetch_metrics(loop, progress):
-    """Bring the pending steps' metrics to the host, in order, into the log window and the run's losses; stop at
+    """Bring the pending steps' metrics to the host, in order, into the log window and the run's loss sum; stop at
     the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's means."""
     metrics = None
     for step, step_metrics in loop.pending:
@@ -2035,7 +2038,7 @@ def fetch_metrics(loop, progress):
                 step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
             )
         progress.log_window.append(sums)
-        loop.losses.append(metrics["loss"])
+        progress.loss_sum += metrics["loss"]
     loop.pending.clear()
     return metrics
 
@@ -2079,10 +2082,11 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
 
 
 def train_summary(plan, progress, loop):
-    """The Trainer's train metrics of this process's steps."""
+    """The Trainer's train metrics: the loss and FLOPs of every step since the run began (resumes included), the
+    speeds of this process's steps."""
     runtime, steps = time.perf_counter() - loop.started, progress.global_step - loop.first_step
     metrics = {
-        "train_loss": float(np.mean(loop.losses)) if loop.losses else float("nan"),
+        "train_loss": progress.loss_sum / progress.global_step if steps else float("nan"),
         "train_runtime": runtime,
         "train_samples_per_second": steps * plan.train_batch_size / runtime,
         "train_steps_per_second": steps / runtime,
@@ -2092,7 +2096,7 @@ def train_summary(plan, progress, loop):
         "train_samples": plan.num_train_examples or None,  # None: a stream has no length
         "global_batch_size": plan.train_batch_size,
         "num_devices": plan.num_devices,
-        "total_flos": loop.flops * steps if loop.flops else None,
+        "total_flos": loop.flops * progress.global_step if loop.flops else None,
     }
     logger.info(f"Trained {steps} steps in {runtime:.1f} s ({metrics['train_tokens_per_second']:.0f} tokens/s)")
     return metrics
@@ -2284,6 +2288,7 @@ def restore_checkpoint(paths, abstract_state, run):
     else:
         fail(f"no checkpoint in {run.args.output_dir} can be restored; start afresh with --overwrite_output_dir")
     progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
+    progress.loss_sum = saved.get("loss_sum", float("nan"))  # nan: written before checkpoints held it
     # A window of per-step means (written before the window held sums) is not added to: its line starts afresh.
     progress.log_window = [step for step in progress.log_window if all(isinstance(v, list) for v in step.values())]
     progress.last_checkpoint, plan = path, run.plan

@@ -75,7 +75,7 @@ def uninterrupted(request, corpus, tmp_path_factory):
 def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request, corpus, tmp_path):
     """kill -9 at any point after the first checkpoint, or SIGTERM (which saves the step it stops after), then the
     same command with --resume_from_checkpoint: the final weights are bitwise those of an uninterrupted run, and
-    every logged loss is the same. What a kill cut short (Orbax's temporary folder, the model's) is cleaned up."""
+    every logged loss, the train loss and the FLOPs of all_results.json are the same. What a kill cut short (Orbax's temporary folder, the model's) is cleaned up."""
     full_dir, full_losses = uninterrupted[path]
     out = tmp_path / "run"
     args = flax_args(path, request, corpus, out, *RESUMABLE)
@@ -100,6 +100,8 @@ def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request,
         assert loss == full_losses[step], (step, loss, full_losses[step])
     assert (out / "flax_model.msgpack").read_bytes() == (full_dir / "flax_model.msgpack").read_bytes()
     assert not list(out.glob("*orbax-checkpoint-tmp*")) and not list(out.glob(".tmp-save-*"))
+    ours, full = (json.loads((folder / "all_results.json").read_text()) for folder in (out, full_dir))
+    assert [ours[k] for k in ("train_loss", "total_flos")] == [full[k] for k in ("train_loss", "total_flos")], ours
 
 
 def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, corpus, tmp_path):

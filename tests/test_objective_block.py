@@ -140,6 +140,34 @@ def test_fit_objective_grows_the_vocabulary_and_a_pretrained_models_embeddings(t
     assert 0.5 * config.initializer_range < new_row.std() < 2 * config.initializer_range  # the model's own init
 
 
+def test_a_pretrained_models_embeddings_grow_to_a_larger_tokenizer(tiny_model_dir, corpus, tmp_path):
+    """--model_name_or_path with a tokenizer of more tokens: its vocabulary grows to the tokenizer's, as PyTorch's
+    resize_token_embeddings does, old rows kept; a new model's config of fewer tokens is refused in one line."""
+    import numpy as np
+    import transformers
+
+    pretrained, larger = tmp_path / "pretrained", tmp_path / "larger"
+    shutil.copytree(tiny_model_dir, pretrained)
+    model = transformers.FlaxAutoModelForMaskedLM.from_config(transformers.AutoConfig.from_pretrained(pretrained))
+    model.save_pretrained(pretrained)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.add_tokens(["<new>", "<newer>"])
+    tokenizer.save_pretrained(larger)
+    script = load_script("flax/run_mlm_flax.py", "grows_to_its_tokenizer")
+    model_args = script.ModelArguments(model_name_or_path=str(pretrained), tokenizer_name=str(larger))
+    config = script.load_config_and_tokenizer(model_args)[0]
+    training_args = script.TrainingArguments(output_dir=str(tmp_path / "out"))
+    params = script.build_model(model_args, training_args, config, abstract=False)[1]
+    embedding = np.asarray(params["roberta"]["embeddings"]["word_embeddings"]["embedding"])
+    assert config.vocab_size == len(tokenizer) == embedding.shape[0] == 1002
+    np.testing.assert_array_equal(
+        embedding[:1000], model.params["roberta"]["embeddings"]["word_embeddings"]["embedding"]
+    )
+    args = script_args("flax/run_mlm_flax.py", "roberta", pretrained, corpus, tmp_path / "new", "--do_train")
+    args[args.index("--tokenizer_name") + 1] = str(larger)
+    assert "vocab_size (1000) is smaller than the tokenizer's 1002 tokens; rebuild the config" in refusal(args)
+
+
 def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
     """Also: the copy refuses bad input and logs under its own name, never the original's."""
     from transformers import AutoTokenizer, ElectraConfig, FlaxElectraForMaskedLM, FlaxElectraForPreTraining
