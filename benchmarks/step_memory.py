@@ -44,7 +44,8 @@ def plain_train_step(script):
 
 
 def compile_step(script, flags):
-    """What --compile_topology logs of the train step (or the line saying it does not fit)."""
+    """What --compile_topology logs of the train step (or the line saying it does not fit); RuntimeError with the
+    script's error line if it stopped before compiling (bad flags, no libtpu)."""
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -55,7 +56,10 @@ def compile_step(script, flags):
         lines.append(str(e))
     finally:
         script.logger.removeHandler(handler)
-    return next(line for line in reversed(lines) if "train step" in line)
+    found = [line for line in lines if "train step" in line]
+    if not found:
+        raise RuntimeError(lines[-1] if lines else f"{script.__name__} compiled no train step")
+    return found[-1]
 
 
 def step_line(relpath, flags, plain):
@@ -70,7 +74,7 @@ def step_line(relpath, flags, plain):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("script", help="A Flax training script, e.g. flax/run_mlm_flax.py.")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then its flags, with --compile_topology.")
     args = parser.parse_args(argv)
@@ -82,9 +86,13 @@ def main(argv=None):
         # A process a compile: XLA's compile memory stays with the process (T5 base's two compiles for v3-8 need more
         # than 24 GB together, at most 19 GB each alone).
         pool = multiprocessing.get_context("spawn").Pool(1)
-        rows[name] = pool.apply(step_line, (args.script, flags, name == "plain"))
-        pool.close()
-        pool.join()
+        try:
+            rows[name] = pool.apply(step_line, (args.script, flags, name == "plain"))
+        except RuntimeError as e:  # the script's own line: it names the flag
+            sys.exit(str(e))
+        finally:
+            pool.close()
+            pool.join()
     for name, line in rows.items():
         print(f"{name}: {line}")
     print(json.dumps(rows))

@@ -20,6 +20,7 @@ Example:
   XLA_FLAGS=--xla_cpu_use_thunk_runtime=false python flax/run_bert_flax.py --precision bfloat16
 """
 
+import argparse
 import contextlib
 import difflib
 import json
@@ -56,7 +57,8 @@ class BenchmarkArguments:
     num_iterations: int = field(default=100, metadata={"help": "Timed calls."})
     seed: int = field(default=0, metadata={"help": "Seed of the random weights and token ids."})
     config_name: str | None = field(
-        default=None, metadata={"help": "A BERT config folder (default: bert-base-uncased, built locally)."}
+        default=None,
+        metadata={"help": "A BERT config folder, or online a hub name; none: bert-base-uncased's, built here"},
     )
     config_overrides: str | None = field(
         default=None, metadata={"help": 'e.g. "hidden_size=64,num_hidden_layers=2" (for tests)'}
@@ -165,12 +167,36 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help: the docstring as written, then each argument with its default."""
+
+
+def check_hub_name(flag, name):
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached (not after the hub
+    client's retries), unless HF_HUB_OFFLINE=1 asks for the local cache."""
+    import requests
+    from huggingface_hub import constants
+
+    if not os.path.exists(name) and not constants.HF_HUB_OFFLINE:
+        try:
+            requests.head(constants.ENDPOINT, timeout=5.0)
+        except requests.RequestException:
+            fail(
+                f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a "
+                "config folder (tokenizers/create_config.py --model_type bert), or set HF_HUB_OFFLINE=1 to use the local cache"
+            )
+
+
 def build_model(args):
     if args.config_name:
         try:
             config = AutoConfig.from_pretrained(args.config_name)
         except (OSError, ValueError) as e:
             fail(f"--config_name {args.config_name!r}: {str(e).splitlines()[0]}")
+        if config.model_type != "bert":
+            fail(
+                f"--config_name {args.config_name!r} is a {config.model_type} config; this script times BERT: pass a bert one"
+            )
     else:
         config = BertConfig()  # its defaults are bert-base-uncased: 12 layers, hidden 768, vocab 30522
     if args.config_overrides:
@@ -199,7 +225,7 @@ def make_forward(model, precision):
 
 def parse_args(argv=None):
     """The arguments; a flag that does not exist (a typo) or a malformed value gets one line naming it."""
-    parser = HfArgumentParser(BenchmarkArguments)
+    parser = HfArgumentParser(BenchmarkArguments, description=__doc__, formatter_class=HelpFormatter)
     parser.error = fail
     args, unknown = parser.parse_args_into_dataclasses(
         args=sys.argv[1:] if argv is None else argv, return_remaining_strings=True
@@ -215,6 +241,8 @@ def parse_args(argv=None):
             fail(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.num_warmup < 0:
         fail(f"--num_warmup must not be negative, got {args.num_warmup}")
+    if args.config_name:
+        check_hub_name("--config_name", args.config_name)
     if (
         args.config_name
         and os.path.isdir(args.config_name)

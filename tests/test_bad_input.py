@@ -572,6 +572,10 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
             "holds no config.json",
         ),
         (["flax/run_bert_flax.py", "--config_name", no_config], "holds no config.json"),
+        (
+            ["flax/run_bert_flax.py", "--config_name", str(tiny_model_dir)],
+            "is a roberta config; this script times BERT",
+        ),
         (  # checked before the data is tokenized, not when the weights are loaded
             mlm(request, corpus, tmp_path / "e", "--model_name_or_path", str(tiny_model_dir)),
             f"--model_name_or_path {tiny_model_dir} holds no flax_model.msgpack or pytorch_model.bin or model.safetensors",
@@ -581,6 +585,23 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
             tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)),
             "holds no TensorFlow weights",
         ),
+    )
+
+
+def test_hub_names_with_the_hub_unreachable_in_the_helper_scripts(monkeypatch, tmp_path):
+    """A name that is not a local path while the hub cannot be reached: one line at once, not the hub client's retries
+    (47 s and 23 lines of them before)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # a closed local port stands for the hub
+    out = ["--output_dir", str(tmp_path / "config")]
+    errors(
+        (
+            ["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", "out/nowhere", *out],
+            "--tokenizer_name 'out/nowhere' is not a local path and the Hugging Face Hub is unreachable",
+        ),
+        (["flax/run_bert_flax.py", "--config_name", "out/nowhere"], "--config_name 'out/nowhere' is not a local path"),
     )
 
 

@@ -128,9 +128,26 @@ def fail(message):
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
+def check_hub_name(flag, name):
+    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached (not after the hub
+    client's retries), unless HF_HUB_OFFLINE=1 asks for the local cache."""
+    import requests
+    from huggingface_hub import constants
+
+    if not os.path.exists(name) and not constants.HF_HUB_OFFLINE:
+        try:
+            requests.head(constants.ENDPOINT, timeout=5.0)
+        except requests.RequestException:
+            fail(
+                f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a "
+                "tokenizer folder (tokenizers/train_tokenizer.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+            )
+
+
 def token_ids_from_tokenizer(model_type, path):
     from transformers import AutoTokenizer
 
+    check_hub_name("--tokenizer_name", path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any load failure becomes one line
