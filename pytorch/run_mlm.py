@@ -486,10 +486,13 @@ def checkpoint_damage(path):
     """Why the Trainer's checkpoint `path` cannot be resumed exactly, or None: trainer_state.json (written last: a
     checkpoint without it was cut short), the model's weights (readable), the optimizer's and the schedule's state
     (without them the Trainer would silently start both afresh)."""
+    if not os.path.isdir(path):
+        return "no such folder"
     weights = next((n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(f"{path}/{n}")), None)
     for name in ("trainer_state.json", weights or "model.safetensors", "optimizer.pt", "scheduler.pt"):
         if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} is missing" + (" (interrupted while saving?)" if name == "trainer_state.json" else "")
+            cut = " (not a Trainer checkpoint, or cut short while saving)" if name == "trainer_state.json" else ""
+            return f"{name} is missing{cut}"
     try:
         if weights == "model.safetensors":
             with safetensors.safe_open(os.path.join(path, weights), "pt") as f:
@@ -979,6 +982,14 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, trai
 
 def run_training(trainer, train_dataset, last_checkpoint, data_args, training_args):
     """Train (resuming from last_checkpoint), save the model and state, and log and save the train metrics."""
+    if last_checkpoint:  # the Trainer would train one step more and rewrite the results
+        done = json.loads(open(os.path.join(last_checkpoint, "trainer_state.json")).read())["global_step"]
+        total = trainer.set_initial_training_values(training_args, trainer.get_train_dataloader(), 1)[-1]
+        if done >= total:
+            fail(
+                f"{last_checkpoint} is at step {done} and this run ends at step {total}: nothing left to train, every file "
+                "left as it was; raise --max_steps or --num_train_epochs to train on"
+            )
     train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
     trainer.save_model()  # Saves the tokenizer too for easy upload
     metrics = dict(train_result.metrics)

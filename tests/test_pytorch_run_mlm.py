@@ -10,7 +10,17 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import RELOAD_RTOL, bad_input, check_ok, error_line, hub_cache, load_script, run, script_args
+from conftest import (
+    RELOAD_RTOL,
+    bad_input,
+    check_ok,
+    error_line,
+    hub_cache,
+    load_script,
+    refusal,
+    run,
+    script_args,
+)
 
 SCRIPT = "pytorch/run_mlm.py"
 NO_DROPOUT = "hidden_dropout_prob=0,attention_probs_dropout_prob=0"
@@ -424,6 +434,17 @@ def test_bad_files_and_flags(bad, tmp_path):
     assert "does not exist" in bad(train_file=tmp_path / "nope.txt")
     assert "--per_device_train_batch_size" in bad("--per_device_train_batch_size", "100000")
     assert "--config_overrides" in bad("--config_overrides", "hidden_size=32", "--model_name_or_path", str(tmp_path))
+
+
+def test_a_finished_run_is_not_trained_again(trained, bad, tmp_path):
+    """The finished command again: one line, every file as it was (the Trainer would resume at checkpoint-60, train
+    a 61st step past --max_steps and rewrite the results)."""
+    out, args, _ = trained
+    before = {path.name: path.read_bytes() for path in out.glob("*.json")}
+    assert "checkpoint-60 is at step 60 and this run ends at step 60: nothing left to train" in refusal(list(args))
+    assert {path.name: path.read_bytes() for path in out.glob("*.json")} == before
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-30", "checkpoint-60"]
+    assert "nowhere cannot be resumed: no such folder" in bad("--resume_from_checkpoint", str(tmp_path / "nowhere"))
 
 
 def test_output_dir_without_checkpoint_is_kept(bad, tmp_path):
