@@ -3,7 +3,8 @@
 # (Apache-2.0 upstream), for transformers 4.57.6 / tensorflow 2.21, with local text files.
 """Tokenize one split, concatenate and cut it into blocks of --max_length tokens, and write TFRecord
 shards of --shard_size blocks: OUTPUT_DIR/<split>/dataset-<shard>-<count>.tfrecord, each record with
-int64 `input_ids` and `attention_mask`. tensorflow/run_mlm.py counts the samples from the file names.
+int64 `input_ids` and `attention_mask`, and OUTPUT_DIR/<split>/shards.json naming the tokenizer. tensorflow/run_mlm.py
+counts the samples from the file names and refuses shards of another tokenizer.
 Paths go through tf.io.gfile, so gs:// buckets work for those who have them.
 
   python tensorflow/prepare_tfrecord_shards.py --tokenizer_name_or_path out/unigram \
@@ -17,6 +18,8 @@ each shard is written under a temporary name and renamed when complete.
 
 import argparse
 import codecs
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -173,6 +176,11 @@ def load_split(args):
     return dataset
 
 
+def vocab_digest(tokenizer):
+    """The tokenizer's vocabulary, tokens and ids, as a SHA-256 digest (run_mlm.py compares its tokenizer's)."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
 def group_texts(examples, max_length):
     """Concatenate the texts and cut them into blocks of exactly max_length tokens (the remainder is dropped)."""
     concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples.keys()}
@@ -256,6 +264,11 @@ def main(argv=None):
 
     with tf.io.gfile.GFile(os.path.join(args.output_dir, f"split-{args.split}-records-count.txt"), "w") as f:
         print(f"Total {args.split} records: {total_records}", file=f)
+    written = dict(
+        tokenizer=args.tokenizer_name_or_path, vocab_size=len(tokenizer), vocab_sha256=vocab_digest(tokenizer)
+    )
+    with tf.io.gfile.GFile(os.path.join(split_dir, "shards.json"), "w") as f:
+        json.dump(written, f)
     logger.info(
         f"{args.split}: {total_records} records of {args.max_length} tokens in {shard_count} shards under {split_dir}"
     )

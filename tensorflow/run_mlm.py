@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -367,17 +368,31 @@ def find_shards(flag, path, max_length):
     return records, num_samples
 
 
-def check_token_ids(flag, files, vocab_size):
-    """Shards written by another tokenizer hold ids past the vocabulary, which the model has no embedding for: the
-    first shard's largest id, checked before training (one preparation writes every shard with one tokenizer)."""
+def vocab_digest(tokenizer):
+    """The tokenizer's vocabulary, tokens and ids, as a SHA-256 digest (prepare_tfrecord_shards.py writes its own)."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
+def check_tokenizer(flag, path, files, tokenizer):
+    """Shards of another tokenizer: refused by the vocabulary that shards.json records, or (shards written before it)
+    by ids past this vocabulary, which the model has no embedding for: the first shard's largest id."""
+    again = "write them again with tensorflow/prepare_tfrecord_shards.py --tokenizer_name_or_path and this --tokenizer"
+    if tf.io.gfile.exists(os.path.join(path, "shards.json")):
+        with tf.io.gfile.GFile(os.path.join(path, "shards.json")) as f:
+            written = json.load(f)
+        if written["vocab_sha256"] != vocab_digest(tokenizer):
+            fail(
+                f"{flag} {path} was written with the tokenizer {written['tokenizer']} ({written['vocab_size']} tokens), not "
+                f"this --tokenizer ({len(tokenizer)} tokens); {again}"
+            )
+    vocab_size = len(tokenizer)
     records = tf.data.TFRecordDataset(files[:1])
     ids = (tf.train.Example.FromString(r.numpy()).features.feature["input_ids"].int64_list.value for r in records)
     largest = max((max(row, default=0) for row in ids), default=0)
     if largest >= vocab_size:
         fail(
             f"{flag} {files[0]} holds token id {largest}, but the tokenizer has {vocab_size} tokens: the shards were "
-            "written with another tokenizer; write them again with tensorflow/prepare_tfrecord_shards.py "
-            "--tokenizer_name_or_path and this --tokenizer"
+            f"written with another tokenizer; {again}"
         )
 
 
@@ -903,8 +918,12 @@ def main(argv=None):
     replicas = strategy.num_replicas_in_sync
     set_precision_and_seed(args, strategy_name)
     tokenizer, config = load_tokenizer_and_config(args, config_source)
-    for flag, records in (("--train_dataset", training_records), ("--eval_dataset", eval_records or [])):
-        check_token_ids(flag, records, len(tokenizer))
+    for flag, path, records in (
+        ("--train_dataset", args.train_dataset, training_records),
+        ("--eval_dataset", args.eval_dataset, eval_records or []),
+    ):
+        if records:
+            check_tokenizer(flag, path, records, tokenizer)
     batch_size, total_train_steps, warmup_steps, fit_epoch_steps = plan_steps(args, num_train_samples, replicas)
     model, schedule = create_model(args, config, strategy, total_train_steps, warmup_steps)
     logger.info(

@@ -421,9 +421,22 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
 
 
 def test_shards_of_another_tokenizer_are_refused(prepared, tiny_model_dir, tmp_path):
-    """Shards written with a 2,000-token tokenizer, trained with a 1,000-token one: ids past the vocabulary, refused
-    in one line before training."""
-    line = refusal(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir)))
+    """Shards written with a 2,000-token tokenizer, refused in one line before training: with a tokenizer of one token
+    more (by the vocabulary shards.json records), and, for shards written before shards.json, with a 1,000-token one
+    (ids past the vocabulary)."""
+    from transformers import AutoTokenizer
+
+    larger = AutoTokenizer.from_pretrained(prepared / "tokenizer")
+    larger.add_tokens(["<another>"])
+    larger.save_pretrained(tmp_path / "larger")
+    line = refusal(mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tmp_path / "larger")))
+    assert f"--train_dataset {prepared / 'shards' / 'train'} was written with the tokenizer " in line, line
+    assert "(2000 tokens), not this --tokenizer (2001 tokens)" in line, line
+    shutil.copytree(prepared / "shards" / "train", tmp_path / "old")
+    (tmp_path / "old" / "shards.json").unlink()
+    args = mlm_args(prepared, tmp_path / "out", "--no_tpu", "--tokenizer", str(tiny_model_dir))
+    args[args.index("--train_dataset") + 1] = str(tmp_path / "old")
+    line = refusal(args)
     assert "--train_dataset" in line and "but the tokenizer has 1000 tokens" in line, line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
