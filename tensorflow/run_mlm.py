@@ -928,7 +928,8 @@ def main(argv=None):
     model, schedule = create_model(args, config, strategy, total_train_steps, warmup_steps)
     logger.info(
         f"Model: {config.model_type}, {model.count_params():,} parameters; {num_train_samples:,} training samples, "
-        f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up), evaluating every {fit_epoch_steps}"
+        f"global batch {batch_size}, {total_train_steps} steps ({warmup_steps} warm-up)"
+        + (f", evaluating every {fit_epoch_steps}" if args.eval_dataset else "")
     )
 
     decode_fn = make_decode_fn(args.max_length)

@@ -196,6 +196,8 @@ def main(argv=None):
     wrapped = AlbertTokenizerFast(tokenizer_object=tokenizer, model_max_length=512)
     wrapped.save_pretrained(args.output_dir)
     logger.info(f"Saved a tokenizer of {len(wrapped):,} tokens to {args.output_dir}")
+    if len(wrapped) < args.vocab_size:
+        logger.info(f"--vocab_size {args.vocab_size:,} asked for more pieces than the trainer found in the texts")
     if args.export_to_hub:
         logger.info("Exporting the trained tokenizer to Hub.")
         wrapped.push_to_hub(f"unigram-tokenizer-{os.path.basename(args.dataset_name)}")

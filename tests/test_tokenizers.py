@@ -87,6 +87,15 @@ def test_tokenizer_bad_input(tmp_path, corpus):
         "train_tokenizer.py",
     )
     assert "--overwrite_output_dir" in line and (out / "tokenizer.json").read_text() == "keep me"
+    # Overwritten beside a model config of the tokenizer before, and asked for more tokens than the text holds.
+    (out / "config.json").write_text('{"vocab_size": 8192}')
+    args = ["--train_file", str(corpus / "validation_slice.txt"), "--vocab_size", "60000", "--overwrite_output_dir"]
+    result = check_ok(run(["tokenizers/train_tokenizer.py", *args, "--output_dir", str(out)]))
+    assert "note: --vocab_size 60,000 asked for more tokens than the trainer found" in result.stdout, result.stdout
+    assert f"note: {out / 'config.json'} was written for another tokenizer" in result.stdout
+    cache = ["--corpus", "nb_handbook", "--cache_dir", str(out / "config.json"), "--output_dir", str(tmp_path / "nb")]
+    line = error_line(run(["tokenizers/prepare_corpus.py", *cache]), "prepare_corpus.py")
+    assert f"--cache_dir {out / 'config.json'}" in line and not (tmp_path / "nb").exists()
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,8 @@ def main(argv=None):
     else:
         if args.deb_file and not os.path.isfile(args.deb_file):
             fail(f"--deb_file {args.deb_file} does not exist")
+        if not args.deb_file:
+            check_writable("--cache_dir", args.cache_dir)
         splits = handbook_splits(args.deb_file or fetch_handbook_deb(args.cache_dir))
 
     os.makedirs(args.output_dir, exist_ok=True)

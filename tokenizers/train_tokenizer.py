@@ -22,6 +22,7 @@ Example:
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -179,6 +180,14 @@ def main(argv=None):
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer.save_pretrained(args.output_dir)
     print(f"Saved a {len(tokenizer):,}-token {args.tokenizer_type} tokenizer to {args.output_dir}")
+    sentinels = len(tokenizer.additional_special_tokens) if args.tokenizer_type == "unigram" else 0
+    if len(tokenizer) - sentinels < args.vocab_size:
+        print(f"note: --vocab_size {args.vocab_size:,} asked for more tokens than the trainer found in --train_file")
+    config = os.path.join(args.output_dir, "config.json")
+    if os.path.isfile(config):  # a model config beside an earlier tokenizer
+        with open(config) as f:
+            if json.load(f).get("vocab_size") != len(tokenizer):
+                print(f"note: {config} was written for another tokenizer; rebuild it with tokenizers/create_config.py")
 
 
 if __name__ == "__main__":
