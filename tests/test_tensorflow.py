@@ -407,8 +407,12 @@ def test_hub_names_load_offline_from_the_local_cache(prepared, corpus, tmp_path)
         examples = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset(sorted(map(str, shards)))]
         return [{k: list(v.int64_list.value) for k, v in e.features.feature.items()} for e in examples]
 
-    ours, theirs = (sorted((d / "validation").iterdir()) for d in (tmp_path / "shards", prepared / "shards"))
+    ours, theirs = (sorted((d / "validation").glob("*.tfrecord")) for d in (tmp_path / "shards", prepared / "shards"))
     assert [p.name for p in ours] == [p.name for p in theirs] and records(ours) == records(theirs)
+    written = [
+        json.loads((d / "validation" / "shards.json").read_text()) for d in (tmp_path / "shards", prepared / "shards")
+    ]
+    assert written[0]["tokenizer"] == "org/tf-tokenizer" and written[0]["vocab_sha256"] == written[1]["vocab_sha256"]
     args = mlm_args(prepared, tmp_path / "out", "--no_tpu", "--max_steps", "1", "--per_replica_batch_size", "8")
     args[args.index("--pretrained_model_config") + 1] = "org/tf-config"
     args[args.index("--tokenizer") + 1] = "org/tf-tokenizer"
