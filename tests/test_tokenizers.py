@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from conftest import TINY_ROBERTA, check_ok, error_line, load_script, run
+from conftest import TINY_ROBERTA, check_ok, error_line, load_script, refusal, run
 from transformers import AutoConfig, AutoTokenizer
 
 create_config = load_script("tokenizers/create_config.py", "create_config")
@@ -170,6 +170,18 @@ def test_config_bad_input(tmp_path):
         run(["tokenizers/create_config.py", "--model_type", "bert", "--output_dir", str(tmp_path)]), "create_config.py"
     )
     assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def test_config_values_no_model_can_train_with(tiny_model_dir, tmp_path):
+    command = ["tokenizers/create_config.py", "--model_type", "roberta", "--output_dir", str(tmp_path / "config")]
+    for extra, expected in (
+        (["--config_overrides", "hidden_size=64,,num_hidden_layers=2"], "'' is not key=value"),
+        (["--config_overrides", "num_hidden_layers=0"], "num_hidden_layers=0: a model needs at least one layer"),
+        (["--config_overrides", "hidden_dropout_prob=1.5"], "hidden_dropout_prob=1.5: a dropout probability"),
+        (["--tokenizer_name", str(tiny_model_dir), "--vocab_size", "10"], "smaller than the tokenizer's 1000 tokens"),
+    ):
+        assert expected in refusal(command + extra), extra
+    assert not (tmp_path / "config").exists()
 
 
 def test_unigram_t5_tokenizer(corpus, tmp_path):

@@ -17,6 +17,7 @@ Example:
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ os.environ.setdefault("USE_TF", "0")
 
 from transformers import CONFIG_MAPPING
 
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
 REFERENCE = {
     # roberta-base
     "roberta": dict(
@@ -168,15 +170,33 @@ def build_config(model_type, vocab_size=None, tokenizer_name=None, config_overri
     values = dict(REFERENCE[model_type])
     if tokenizer_name:
         values.update(token_ids_from_tokenizer(model_type, tokenizer_name))
+    tokens = values["vocab_size"] if tokenizer_name else None
     if vocab_size is not None:
         values["vocab_size"] = vocab_size
     config = CONFIG_MAPPING[model_type](**values)
     if config_overrides:
+        for item in config_overrides.split(","):
+            if item.count("=") != 1 or not item.split("=")[0].strip():
+                fail(f"--config_overrides: {item!r} is not key=value (pairs separated by commas, no spaces)")
         try:
             config.update_from_string(config_overrides)
         except ValueError as e:
             fail(f"--config_overrides: {e}")
+    check_values(config, tokens)
     return config
+
+
+def check_values(config, tokens):
+    """Fail on a value no model can train with: no layers, a dropout outside [0, 1), fewer embeddings than tokens."""
+    for key, value in config.to_dict().items():
+        if key in LAYERS and isinstance(value, int) and value < 1:
+            fail(f"{key}={value}: a model needs at least one layer")
+        if re.search(r"dropout|_prob$|pdrop", key) and isinstance(value, (int, float)) and not 0 <= value < 1:
+            fail(f"{key}={value}: a dropout probability is at least 0 and below 1")
+    if tokens and config.vocab_size < tokens:
+        fail(
+            f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokens} tokens: no embedding for the rest"
+        )
 
 
 def check_writable(flag, path):
