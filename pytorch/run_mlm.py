@@ -1062,6 +1062,8 @@ def main(argv=None):
     push_or_create_model_card(trainer, model_args, data_args, training_args)
     if lock is not None:
         lock.close()
+    if torch.distributed.is_initialized():  # gloo's threads stop now, not in the interpreter's teardown (an abort)
+        torch.distributed.destroy_process_group()
 
 
 def _mp_fn(index):
