@@ -71,6 +71,14 @@ def test_tokenizer_bad_input(tmp_path, corpus):
         "train_tokenizer.py",
     )
     assert "empty" in line
+    for args, message in [
+        (["--train_file", "/dev/null"], "--train_file /dev/null is not a regular file"),
+        (["--tokenizer_type", "unigram", "--model_type", "gpt2", "--train_file", str(empty)], "T5's"),
+    ]:
+        line = error_line(
+            run(["tokenizers/train_tokenizer.py", *args, "--output_dir", str(out)]), "train_tokenizer.py"
+        )
+        assert message in line
     assert not out.exists()
     out.mkdir()
     (out / "tokenizer.json").write_text("keep me")

@@ -63,8 +63,10 @@ def check_text_files(paths):
     for path in paths:
         if os.path.isdir(path):
             fail(f"--train_file {path} is a directory; pass a text file")
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             fail(f"--train_file {path} does not exist")
+        if not os.path.isfile(path):  # a pipe would be used up by the line count below, a device is no corpus
+            fail(f"--train_file {path} is not a regular file; write the text to a file and pass that")
         with open(path, encoding="utf-8") as f:
             try:
                 lines = sum(1 for line in f if line.strip())
@@ -147,8 +149,7 @@ def main(argv=None):
     parser.add_argument(
         "--model_type",
         choices=["roberta", "gpt2"],
-        default="roberta",
-        help="the model the tokenizer is for: roberta adds <s> ... </s>, gpt2 adds nothing",
+        help="byte_level_bpe's model: roberta (default) adds <s> ... </s>, gpt2 adds nothing",
     )
     parser.add_argument(
         "--model_max_length",
@@ -163,6 +164,9 @@ def main(argv=None):
         fail(
             f"--vocab_size {args.vocab_size} is too small: a byte-level BPE needs at least {len(SPECIAL_TOKENS) + 256}"
         )
+    if args.tokenizer_type == "unigram" and args.model_type:
+        fail(f"--model_type {args.model_type} is for --tokenizer_type byte_level_bpe; a unigram tokenizer is T5's")
+    args.model_type = args.model_type or "roberta"
     if args.tokenizer_type == "unigram" and args.vocab_size < 10:
         fail(f"--vocab_size {args.vocab_size} is too small for a unigram tokenizer")
     if os.path.exists(os.path.join(args.output_dir, "tokenizer.json")) and not args.overwrite_output_dir:
