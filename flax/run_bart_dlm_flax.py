@@ -801,9 +801,9 @@ def parse_args(argv=None):
         *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         if unknown:
             flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-            options = [option for action in parser._actions for option in action.option_strings]
-            close = difflib.get_close_matches(flag, options, n=1)
-            fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+            options = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
+            close = difflib.get_close_matches(flag.lstrip("-"), options, n=1)  # without "--", --lr is not near --help
+            fail(f"unknown argument {flag}" + (f"; did you mean --{close[0]}?" if close else "; see --help"))
     for group in groups:
         for test, what, names in RANGES:
             for name in names.split():
@@ -868,6 +868,7 @@ def validate_args(model_args, data_args, training_args):
             "--streaming with --do_eval needs --validation_file: a stream cannot be split by percentage",
         ),
         (not args.do_train and not args.do_eval, "nothing to do: pass --do_train and/or --do_eval"),
+        (not 0 < (data.validation_split_percentage or 0) < 100, "--validation_split_percentage: between 0 and 100"),
         (max(args.max_steps, args.num_train_epochs) <= 0, "--num_train_epochs must be positive, or give --max_steps"),
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
         (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
@@ -1312,7 +1313,7 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
             break
     if plan.process_index == 0:
         Path(path).write_text("".join(json.dumps(record) + "\n" for record in records))
-        logger.info(f"wrote {len(records)} noised training rows to {path}")
+        logger.info(f"wrote {len(records)} noised training rows to {path}; trained nothing (drop the flag to train)")
 
 
 # --- model and plan ----------------------------------------------------------------------------------------------
@@ -1337,6 +1338,11 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     except (OSError, ValueError) as e:
         names = f"{config_path or 'a new ' + args.model_type}, {tokenizer_source}"
         fail(f"cannot load the config or tokenizer ({names}): {first_line(e)}")
+    if args.model_type not in (None, config.model_type):
+        fail(f"--model_type {args.model_type}, but {config_path} holds a {config.model_type} config; drop one")
+    if config_path is None:  # upstream's "new config instance from scratch", with its sizes
+        sizes = f"hidden size {config.hidden_size}, {config.num_hidden_layers} layers, vocab_size {config.vocab_size}"
+        logger.warning(f"no --config_name: the default {args.model_type} config ({sizes}); see create_config.py")
     fit_objective(config, tokenizer, tokenizer_source)  # may add tokens and grow config.vocab_size first
     if args.model_name_or_path:  # pretrained embeddings grow to a larger tokenizer, as resize_token_embeddings does
         config.vocab_size = max(config.vocab_size, len(tokenizer))
@@ -1696,8 +1702,12 @@ def topology_devices(name):
     os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
     jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
     gpu, _, count = name.lower().partition(":")
+    names = "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, "
+    names += f"v6e:2x2, or GPUs as {' or '.join(GPUS)}[:COUNT]"
     if gpu in GPUS:
         return gpu_devices(gpu, count or "1")
+    if not re.fullmatch(r"v\d+[a-z]*(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
+        fail(f"--compile_topology {name} is neither a TPU slice nor a GPU this script knows; {names}")
     if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
         fail(
             "--compile_topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
@@ -1710,11 +1720,7 @@ def topology_devices(name):
     try:
         devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     except Exception as e:  # noqa: BLE001 (libtpu raises XlaRuntimeError)
-        fail(
-            f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; name a slice as v2-8, "
-            "v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, v6e:2x2, or GPUs as "
-            f"{' or '.join(GPUS)}[:COUNT]"
-        )
+        fail(f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; {names}")
     kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
     hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices)
     return devices, hbm * 2**30, f"{len(devices)} x {kind} ({chips} chips, {hbm:.1f} GiB of HBM a device)"
@@ -2175,7 +2181,7 @@ def find_checkpoint(training_args, model_args):
             f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
             "or --overwrite_output_dir to start afresh"
         )
-    if training_args.do_train and set(os.listdir(output_dir)) - {".lock"}:
+    if training_args.do_train and set(os.listdir(output_dir)) - {".lock", "noised_examples.jsonl"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
     results = [name for name in ("eval_results.json", "train_results.json") if os.path.exists(f"{output_dir}/{name}")]
     model = model_args.model_name_or_path

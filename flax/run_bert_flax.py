@@ -232,10 +232,9 @@ def parse_args(argv=None):
     )
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        close = difflib.get_close_matches(
-            flag, [option for action in parser._actions for option in action.option_strings], n=1
-        )
-        fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+        options = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
+        close = difflib.get_close_matches(flag.lstrip("-"), options, n=1)  # without "--", --lr is not near --help
+        fail(f"unknown argument {flag}" + (f"; did you mean --{close[0]}?" if close else "; see --help"))
     for name in ("batch_size", "seq_length", "num_iterations"):
         if getattr(args, name) <= 0:
             fail(f"--{name} must be a positive integer, got {getattr(args, name)}")

@@ -288,10 +288,9 @@ def parse_args(argv=None):
         )
         if unknown:
             flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-            close = difflib.get_close_matches(
-                flag, [option for action in parser._actions for option in action.option_strings], n=1
-            )
-            fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else "; see --help"))
+            options = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
+            close = difflib.get_close_matches(flag.lstrip("-"), options, n=1)  # without "--", --lr is not near --help
+            fail(f"unknown argument {flag}" + (f"; did you mean --{close[0]}?" if close else "; see --help"))
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinned memory only speeds up copies to a CUDA device
     return model_args, data_args, training_args
@@ -416,11 +415,10 @@ def lock_output_dir(output_dir):
 def check_checkpoint_config(checkpoint, config):
     """A checkpoint is resumed only into the model that wrote it: refuse one of another architecture before the
     Trainer dies of a size mismatch."""
-    saved = (
-        json.loads(open(os.path.join(checkpoint, "config.json")).read())
-        if os.path.isfile(os.path.join(checkpoint, "config.json"))
-        else {}
-    )
+    saved = {}
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+        with open(os.path.join(checkpoint, "config.json")) as f:
+            saved = json.load(f)
     keys = (
         "model_type",
         "vocab_size",
@@ -723,6 +721,11 @@ def load_config_and_tokenizer(model_args):
         )
     except (OSError, ValueError) as e:
         fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+    if model_args.model_type not in (None, config.model_type):
+        source = model_args.config_name or model_args.model_name_or_path
+        fail(
+            f"--model_type {model_args.model_type}, but {source} holds a {config.model_type} config; drop one of the two"
+        )
     if config.model_type not in MODEL_TYPES:
         fail(f"config model_type {config.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
     if config.vocab_size < len(tokenizer):
@@ -983,7 +986,8 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, trai
 def run_training(trainer, train_dataset, last_checkpoint, data_args, training_args):
     """Train (resuming from last_checkpoint), save the model and state, and log and save the train metrics."""
     if last_checkpoint:  # the Trainer would train one step more and rewrite the results
-        done = json.loads(open(os.path.join(last_checkpoint, "trainer_state.json")).read())["global_step"]
+        with open(os.path.join(last_checkpoint, "trainer_state.json")) as f:
+            done = json.load(f)["global_step"]
         total = trainer.set_initial_training_values(training_args, trainer.get_train_dataloader(), 1)[-1]
         if done >= total:
             fail(

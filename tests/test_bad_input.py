@@ -116,6 +116,11 @@ def test_unknown_flags_bad_values_and_argument_files(request, corpus, tmp_path):
             "--vocab_size",
             "invalid int",
         ),
+        ([MLM, *out, "--lr", "1e-3"], "unknown argument --lr; see --help"),
+        (
+            mlm(request, corpus, tmp_path / "v", "--validation_split_percentage", "150"),
+            "--validation_split_percentage: between 0 and 100",
+        ),
         (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"),
         (["tensorflow/run_mlm.py", *out, "--max_steps", "0"], "--max_steps must be a positive integer"),
     )
@@ -560,9 +565,22 @@ def test_text_too_short_to_split_off_validation(request, corpus, tmp_path, files
     )
 
 
+def test_a_model_type_alone_names_the_default_sizes(caplog, tiny_model_dir):
+    model_args = script_module(MLM).ModelArguments(model_type="roberta", tokenizer_name=str(tiny_model_dir))
+    script_module(MLM).load_config_and_tokenizer(model_args)
+    assert "the default roberta config (hidden size 768, 12 layers, vocab_size 50265)" in caplog.text
+
+
 def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, tiny_model_dir, corpus_shards):
     no_config = str(files / "no_config")
+    bert = mlm(request, corpus, tmp_path / "f")
+    bert[bert.index("--model_type") + 1] = "bert"
     errors(
+        (bert, f"--model_type bert, but {tiny_model_dir} holds a roberta config"),
+        (
+            pytorch(tiny_model_dir, corpus, tmp_path / "g", "--do_train", "--model_type", "bert"),
+            "--model_type bert, but",
+        ),
         (
             mlm(request, corpus, tmp_path / "a", "--config_name", no_config),
             f"--config_name {no_config} holds no config.json",

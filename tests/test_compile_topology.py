@@ -103,6 +103,8 @@ def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused
     assert "name a slice as v2-8, v3-8" in error_line(run([*args, "v9:2x2"], env=TPU), "run_mlm_flax.py")
     line = error_line(run([*args, "v3-8"], env={"TPU_LIBRARY_PATH": ""}), "run_mlm_flax.py")
     assert "--compile_topology needs libtpu" in line
+    line = error_line(run([*args, "h200"], env={"TPU_LIBRARY_PATH": ""}), "run_mlm_flax.py")  # a typo, not libtpu
+    assert "--compile_topology h200 is neither a TPU slice nor a GPU this script knows; name a slice" in line
     memory = ["benchmarks/step_memory.py", MLM, "--", *args[1:], "v3-8"]  # the script's line, not a StopIteration
     assert "--compile_topology needs libtpu" in error_line(
         run(memory, env={"TPU_LIBRARY_PATH": ""}), "run_mlm_flax.py"

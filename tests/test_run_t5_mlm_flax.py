@@ -229,3 +229,5 @@ def test_dump_noised_examples(t5_dir, corpus, tmp_path):
         assert [p for t in r["input_ids"][:-1] for p in (spans[t] if t >= 1000 else [t])] == r["original_ids"]
         assert "<extra_id_0>" in r["input_text"] and r["original_text"]
     assert not (tmp_path / "checkpoint-0").exists() and not (tmp_path / "flax_model.msgpack").exists()
+    model_args, _, training_args = t5.parse_args(args[1:-2])  # the run itself goes into the folder, the rows beside it
+    assert t5.find_checkpoint(training_args, model_args) is None
