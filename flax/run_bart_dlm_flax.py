@@ -2233,7 +2233,8 @@ def save_checkpoint(state, progress, run):
         )
     progress_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
     progress_state["stream"] = progress.stream and gather_json(progress.stream)  # every process's position
-    trainer_state = dict(progress_state, objective=run.objective, data=run.data)
+    schedule = [run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate]  # a resume warns of another
+    trainer_state = dict(progress_state, objective=run.objective, data=run.data, schedule=schedule)
     try:
         run.checkpoints.save(
             step,
@@ -2318,6 +2319,12 @@ def restore_checkpoint(paths, abstract_state, run):
     if changed:
         logger.warning(
             f"{path} was written with other objective settings; going on with this run's: {', '.join(changed)}"
+        )
+    schedule = [plan.total_steps, run.args.warmup_steps, run.args.learning_rate]
+    if saved.get("schedule", schedule) != schedule:
+        logger.warning(
+            f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: {saved['schedule']} "
+            f"-> {schedule}): the rate at step {progress.global_step} changes at once"
         )
     if progress.global_step >= plan.total_steps:
         fail(

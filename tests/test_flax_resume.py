@@ -138,8 +138,14 @@ def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, co
     shutil.copytree(full_dir / "checkpoint-20", moved / "checkpoint-20")
     extra = ("--resume_from_checkpoint", "--per_device_train_batch_size", "4", "--mlm_probability", "0.2")
     extra += ("--max_train_samples", "1000", "--ignore_data_skip")  # other data: its epoch starts afresh
-    result = check_ok(run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *extra), env=TWO_DEVICES))
+    result = check_ok(
+        run(flax_args(MLM, request, corpus, moved, *RESUMABLE, *extra, "--warmup_steps", "2"), env=TWO_DEVICES)
+    )
     assert "other objective settings; going on with this run's: --mlm_probability 0.15 -> 0.2" in result.stderr
+    assert (
+        "another learning-rate schedule (steps, warm-up steps, peak: [24, 4, 0.001] -> [24, 2, 0.001])"
+        in result.stderr
+    )
     assert "--ignore_data_skip: " in result.stderr and "train_rows" in result.stderr
     assert sorted(map(int, losses_by_step(result.stdout + result.stderr))) == [22, 24]
 
