@@ -792,6 +792,7 @@ CHOICES = {
     "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
     "fsdp": ("", "full_shard", "hybrid_shard"),
 }
+EVAL_ONLY = ("eval_steps", "per_device_eval_batch_size", "max_eval_samples")
 WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
 
 
@@ -840,6 +841,11 @@ def validate_args(model_args, data_args, training_args):
     unused = [f"--{f.name}" for f in fields(DataArguments) if f.name in unused and getattr(data, f.name) != f.default]
     if unused:
         logger.warning(f"{', '.join(unused)}: no effect {'with' if streamed else 'without'} --streaming")
+    unused = [
+        f.name for g in (data, args) for f in fields(g) if f.name in EVAL_ONLY and getattr(g, f.name) != f.default
+    ]
+    if unused and not args.do_eval:  # upstream's Flax scripts evaluate every --eval_steps; these need --do_eval
+        logger.warning(f"--{', --'.join(unused)}: no effect without --do_eval (no evaluation will run)")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)

@@ -366,7 +366,8 @@ def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
 
 
 def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_path, caplog):
-    """Workers, cache and split options do nothing to a stream, windows nothing in memory: a warning names them."""
+    """Workers, cache and split options do nothing to a stream, windows nothing in memory, evaluation options nothing
+    without --do_eval: a warning names them."""
     module = script_module(MLM)
     for extra, expected in (
         (
@@ -385,6 +386,11 @@ def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_
         module.validate_args(*module.parse_args(mlm(request, corpus, tmp_path / "out", *extra)[1:]))
         assert expected in caplog.text
     assert "--overwrite_cache, --validation_split_percentage, --preprocessing_num_workers" in caplog.text
+    assert "--do_eval" not in caplog.text
+    # Upstream's Flax scripts evaluate every --eval_steps unasked; here that needs --do_eval.
+    args = [arg for arg in mlm(request, corpus, tmp_path / "out", "--eval_steps", "5") if arg != "--do_eval"]
+    module.validate_args(*module.parse_args(args[1:]))
+    assert "--eval_steps: no effect without --do_eval (no evaluation will run)" in caplog.text
 
 
 def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
