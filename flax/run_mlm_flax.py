@@ -1679,6 +1679,7 @@ def topology_devices(name):
         )
     quiet = dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v3-8", TPU_WORKER_HOSTNAMES="localhost")
     quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
+    quiet["TPU_LOG_DIR"] = "disabled"  # not libtpu's files in /tmp/tpu_logs (up to 3 MB a compile); stderr as ever
     for variable, value in quiet.items():  # no cloud metadata to ask, none needed to compile
         os.environ.setdefault(variable, value)
     try:

@@ -1,15 +1,16 @@
 """--compile_topology: each Flax training script's steps compiled for a TPU slice (libtpu, installed by run.sh into
 .libtpu) or for GPUs (jax's CUDA plugin, into .libgpu) on this CPU-only machine, their memory and time reported,
-nothing read or written; a step too big for the chip refused in one line."""
+nothing read or written (libtpu's log files neither); a step too big for the chip refused in one line."""
 
 import json
 import os
 import re
 import shutil
 import types
+from pathlib import Path
 
 import pytest
-from conftest import ROOT, check_ok, error_line, flax_args, load_script, run
+from conftest import ROOT, check_ok, error_line, finish, flax_args, load_script, run, script_env, start
 
 NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}  # the suite's (conftest.py) holds CPU programs only
 TPU = {"TPU_LIBRARY_PATH": os.path.join(ROOT, ".libtpu", "libtpu", "libtpu.so"), **NO_CACHE}
@@ -39,13 +40,16 @@ def test_the_steps_compile_for_a_tpu_slice(path, extra, request, corpus, tmp_pat
     out = tmp_path / "out"
     args = flax_args(path, request, corpus, out, "--do_train", "--do_eval", "--compile_topology", "v5e:2x4", *extra)
     args[args.index("--train_file") + 1] = str(tmp_path / "absent.txt")
-    log = check_ok(run(args, env=TPU)).stderr
+    proc = start(args, tmp_path / "log", env=script_env(TPU))
+    log = finish([proc])[0]
+    assert proc.returncode == 0, log[-3000:]
     assert "Compiling for v5e:2x4: 8 x TPU v5 lite (8 chips, 16.0 GiB of HBM a device)" in log, log[-3000:]
     for step in ("train", "eval"):
         # libtpu's estimate for so small a program can be negative on v5e: the report then says it has none
         line = rf"{step} step, per device: arguments .* of 16.00 GiB .* GFLOP of matrix products; (XLA's estimate [0-9,.]+ ms|no time)"
         assert re.search(line, log), log[-3000:]
-    assert not out.exists()  # nothing trained, nothing written
+    assert not out.exists()  # nothing trained, nothing written: not libtpu's log files either (named by process)
+    assert not list(Path("/tmp/tpu_logs").glob(f"*.{proc.pid}"))
 
 
 def test_logits_larger_than_the_chip_fit_and_fsdp_holds_less(request, corpus, gpt2_dir, tmp_path):
@@ -121,6 +125,7 @@ def test_bf16_products_for_tpu_skip_the_cpus_transposes(monkeypatch):
         "TPU_SKIP_MDS_QUERY",
         "TPU_ACCELERATOR_TYPE",
         "TPU_WORKER_HOSTNAMES",
+        "TPU_LOG_DIR",
     ):
         monkeypatch.setenv(variable, "1")  # restored afterwards, with what topology_devices sets
     device = types.SimpleNamespace(device_kind="TPU v5 lite", coords=(0, 0, 0))
