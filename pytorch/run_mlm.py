@@ -1044,8 +1044,8 @@ def main(argv=None):
     setup_logging(training_args)
     validate_args(model_args, data_args, training_args)
     warn_if_bf16_is_slow(training_args)
+    last_checkpoint = find_checkpoint(training_args)  # its refusals before the arguments' dump
     prepare_training_args(training_args)
-    last_checkpoint = find_checkpoint(training_args)
     lock = lock_output_dir(training_args.output_dir) if training_args.process_index == 0 else None
 
     set_seed(training_args.seed)

@@ -447,11 +447,12 @@ def test_a_finished_run_is_not_trained_again(trained, bad, tmp_path):
     assert "nowhere cannot be resumed: no such folder" in bad("--resume_from_checkpoint", str(tmp_path / "nowhere"))
 
 
-def test_output_dir_without_checkpoint_is_kept(bad, tmp_path):
+def test_output_dir_without_checkpoint_is_kept(bad, tmp_path, capsys):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "model.safetensors").write_text("precious")
     assert "--overwrite_output_dir" in bad(output_dir=out)
+    assert "Training/evaluation parameters" not in capsys.readouterr().out  # not after a 150-line dump
     assert (out / "model.safetensors").read_text() == "precious" and len(list(out.iterdir())) == 1
 
 
