@@ -184,8 +184,6 @@ OBJECTIVE = "causal-LM"  # in messages
 LENGTH_FLAG = "block_size"  # the argument that sets the sequence length
 SCORED_TOKENS = {"loss": "predicted_tokens"}  # loss_sums' counts in the results, by pair: eval_predicted_tokens
 LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
-# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
-OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta")
 
 
 @dataclass
@@ -209,21 +207,8 @@ def fit_objective(config, tokenizer, source):
 
 
 def resolve_max_seq_length(data_args, config, tokenizer):
-    """The block size: --block_size, else the tokenizer's limit; the model's positions bound it."""
-    model_positions = getattr(config, "max_position_embeddings", None)
-    if model_positions is not None and config.model_type in OFFSET_POSITION_MODELS:
-        model_positions -= (config.pad_token_id or 0) + 1
-    if data_args.block_size is None:
-        block_size = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
-    else:
-        if data_args.block_size > tokenizer.model_max_length:
-            logger.warning(
-                f"--block_size {data_args.block_size} is larger than the tokenizer's maximum "
-                f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}."
-            )
-        block_size = min(data_args.block_size, tokenizer.model_max_length)
-    if model_positions is not None and block_size > model_positions:
-        fail(f"--block_size {block_size} is longer than the model's {model_positions} positions")
+    """The block size: the tokenizer's limit and the model's positions both bound it (bound_length)."""
+    block_size = bound_length(data_args.block_size, config, tokenizer)
     if block_size <= 1:
         fail(f"--block_size must be at least 2, got {block_size}")
     return block_size
@@ -1460,6 +1445,28 @@ def fit_attention(config, length):
             f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse "
             f"attention: pass {length - length % block} or {length - length % block + block}"
         )
+
+
+# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
+OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
+
+
+def bound_length(requested, config, tokenizer):
+    """The sequence length: `requested` (--LENGTH_FLAG) or by default the model's positions, cut to the tokenizer's
+    maximum (with a warning when asked for more); a length beyond the model's positions is refused."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        positions -= (config.pad_token_id or 0) + 1
+    if requested is not None and requested > tokenizer.model_max_length:
+        logger.warning(
+            f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({tokenizer.model_max_length}); "
+            f"using {tokenizer.model_max_length}."
+        )
+    length = requested if requested is not None else positions or tokenizer.model_max_length
+    length = min(length, tokenizer.model_max_length)
+    if positions is not None and length > positions:
+        fail(f"--{LENGTH_FLAG} {length} is longer than the model's {positions} positions")
+    return length
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):

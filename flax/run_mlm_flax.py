@@ -180,8 +180,6 @@ OBJECTIVE = "masked-LM"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
 SCORED_TOKENS = {"loss": "masked_tokens"}  # loss_sums' counts in the results, by pair: eval_masked_tokens
 LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
-# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
-OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
 
 
 @dataclass
@@ -214,21 +212,8 @@ def fit_objective(config, tokenizer, source):
 
 
 def resolve_max_seq_length(data_args, config, tokenizer):
-    """The tokenizer's limit and the model's positions both bound the sequence length."""
-    model_positions = getattr(config, "max_position_embeddings", None)
-    if model_positions is not None and config.model_type in OFFSET_POSITION_MODELS:
-        model_positions -= (config.pad_token_id or 0) + 1
-    if data_args.max_seq_length is None:
-        max_seq_length = min(tokenizer.model_max_length, model_positions or tokenizer.model_max_length)
-    else:
-        if data_args.max_seq_length > tokenizer.model_max_length:
-            logger.warning(
-                f"--max_seq_length {data_args.max_seq_length} is larger than the tokenizer's maximum "
-                f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}."
-            )
-        max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
-    if model_positions is not None and max_seq_length > model_positions:
-        fail(f"--max_seq_length {max_seq_length} is longer than the model's {model_positions} positions")
+    """The tokenizer's limit and the model's positions both bound the sequence length (bound_length)."""
+    max_seq_length = bound_length(data_args.max_seq_length, config, tokenizer)
     if max_seq_length <= 0:
         fail(f"--max_seq_length must be positive, got {max_seq_length}")
     sparse = getattr(config, "attention_type", None) == "block_sparse"  # rows of a multiple of block_size only
@@ -1521,6 +1506,28 @@ def fit_attention(config, length):
             f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse "
             f"attention: pass {length - length % block} or {length - length % block + block}"
         )
+
+
+# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
+OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
+
+
+def bound_length(requested, config, tokenizer):
+    """The sequence length: `requested` (--LENGTH_FLAG) or by default the model's positions, cut to the tokenizer's
+    maximum (with a warning when asked for more); a length beyond the model's positions is refused."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        positions -= (config.pad_token_id or 0) + 1
+    if requested is not None and requested > tokenizer.model_max_length:
+        logger.warning(
+            f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({tokenizer.model_max_length}); "
+            f"using {tokenizer.model_max_length}."
+        )
+    length = requested if requested is not None else positions or tokenizer.model_max_length
+    length = min(length, tokenizer.model_max_length)
+    if positions is not None and length > positions:
+        fail(f"--{LENGTH_FLAG} {length} is longer than the model's {positions} positions")
+    return length
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):

@@ -236,13 +236,7 @@ def count_sentinels(tokenizer):
 def resolve_max_seq_length(data_args, config, tokenizer):
     """--max_seq_length is the input length after corruption (default: the tokenizer's maximum); blocks are cut at
     the longer length that yields it. Refuses lengths no block gives, and more spans than sentinels."""
-    max_seq_length = data_args.max_seq_length or tokenizer.model_max_length
-    if max_seq_length > tokenizer.model_max_length:
-        logger.warning(
-            f"--max_seq_length {max_seq_length} is larger than the tokenizer's maximum "
-            f"({tokenizer.model_max_length}); using {tokenizer.model_max_length}."
-        )
-        max_seq_length = tokenizer.model_max_length
+    max_seq_length = bound_length(data_args.max_seq_length, config, tokenizer)  # T5's positions are relative
     if max_seq_length < 4:
         fail(f"--max_seq_length must be at least 4, got {max_seq_length}")
     try:
@@ -1557,6 +1551,28 @@ def fit_attention(config, length):
             f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse "
             f"attention: pass {length - length % block} or {length - length % block + block}"
         )
+
+
+# These models number positions from pad_token_id + 1, so they fit max_position_embeddings - pad - 1 tokens.
+OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
+
+
+def bound_length(requested, config, tokenizer):
+    """The sequence length: `requested` (--LENGTH_FLAG) or by default the model's positions, cut to the tokenizer's
+    maximum (with a warning when asked for more); a length beyond the model's positions is refused."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
+        positions -= (config.pad_token_id or 0) + 1
+    if requested is not None and requested > tokenizer.model_max_length:
+        logger.warning(
+            f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({tokenizer.model_max_length}); "
+            f"using {tokenizer.model_max_length}."
+        )
+    length = requested if requested is not None else positions or tokenizer.model_max_length
+    length = min(length, tokenizer.model_max_length)
+    if positions is not None and length > positions:
+        fail(f"--{LENGTH_FLAG} {length} is longer than the model's {positions} positions")
+    return length
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
