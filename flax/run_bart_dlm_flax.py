@@ -209,6 +209,8 @@ class DataTrainingArguments(DataArguments):
     insert_zero_length_spans: bool = arg(
         True, "A <mask> for each zero-length span, as fairseq (false: none, as upstream)."
     )
+    train_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
+    validation_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
 
 
 def validate_objective(data_args):
@@ -882,6 +884,9 @@ def validate_args(model_args, data_args, training_args):
     ]
     if unused and not args.do_eval:  # upstream's Flax scripts evaluate every --eval_steps; these need --do_eval
         logger.warning(f"--{', --'.join(unused)}: no effect without --do_eval (no evaluation will run)")
+    for flag in ("train_ref_file", "validation_ref_file"):  # in upstream's MLM, T5 and BART scripts
+        if getattr(data, flag, None):
+            logger.warning(f"--{flag} is accepted as upstream but not used (no whole-word masking by reference file)")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)

@@ -190,16 +190,11 @@ class DataTrainingArguments(DataArguments):
     mlm_probability: float = arg(0.15, "Ratio of tokens to mask for masked language modeling loss")
     pad_to_max_length: bool = arg(False, "--line_by_line: pad every row to max_seq_length.")
     line_by_line: bool = arg(False, "One row per non-empty line instead of packed blocks.")
-    train_ref_file: str | None = arg(None, "Accepted as upstream; not used (no whole-word masking).")
-    validation_ref_file: str | None = arg(None, "Accepted as upstream; not used (no whole-word masking).")
+    train_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
+    validation_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
 
 
 def validate_objective(data_args):
-    for flag in ("train_ref_file", "validation_ref_file"):
-        if getattr(data_args, flag):
-            logger.warning(
-                f"--{flag} is accepted for compatibility with upstream but not used (no whole word masking here)"
-            )
     if not 0.0 < data_args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}")
 
@@ -831,6 +826,9 @@ def validate_args(model_args, data_args, training_args):
     ]
     if unused and not args.do_eval:  # upstream's Flax scripts evaluate every --eval_steps; these need --do_eval
         logger.warning(f"--{', --'.join(unused)}: no effect without --do_eval (no evaluation will run)")
+    for flag in ("train_ref_file", "validation_ref_file"):  # in upstream's MLM, T5 and BART scripts
+        if getattr(data, flag, None):
+            logger.warning(f"--{flag} is accepted as upstream but not used (no whole-word masking by reference file)")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)

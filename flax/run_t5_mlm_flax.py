@@ -199,8 +199,8 @@ class DataTrainingArguments(DataArguments):
     )
     mlm_probability: float = arg(0.15, "Ratio of tokens to mask for span masked language modeling loss")
     mean_noise_span_length: float = arg(3.0, "Mean span length of masked tokens")
-    train_ref_file: str | None = arg(None, "Accepted as upstream; not used.")
-    validation_ref_file: str | None = arg(None, "Accepted as upstream; not used.")
+    train_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
+    validation_ref_file: str | None = arg(None, "Accepted as upstream, unused: no whole-word masking by reference.")
 
 
 def validate_objective(data_args):
@@ -876,6 +876,9 @@ def validate_args(model_args, data_args, training_args):
     ]
     if unused and not args.do_eval:  # upstream's Flax scripts evaluate every --eval_steps; these need --do_eval
         logger.warning(f"--{', --'.join(unused)}: no effect without --do_eval (no evaluation will run)")
+    for flag in ("train_ref_file", "validation_ref_file"):  # in upstream's MLM, T5 and BART scripts
+        if getattr(data, flag, None):
+            logger.warning(f"--{flag} is accepted as upstream but not used (no whole-word masking by reference file)")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)
