@@ -23,8 +23,8 @@ config (dropout 0, so runs are deterministic), the same initial weights (PyTorch
 and TF with from_pt), the same pre-masked batches in the same order (masked by flax/run_mlm_flax.py's
 collator), the same loss (mean cross-entropy over masked tokens), and AdamW with the same warm-up and
 linear decay and weight decay on the same parameters. Each mode runs in its own process (fresh peak
-RSS), with the scripts' code paths where they have one: the Flax step is run_mlm_flax.py's (its
-mlm_sums, decay_mask_fn, learning-rate schedule) under jit; the PyTorch optimizer is the Trainer's
+RSS), with the scripts' code paths where they have one: the Flax step, written here, uses run_mlm_flax.py's
+masked_lm_logits, token_sums, decay_mask_fn and learning-rate schedule under jit; the PyTorch optimizer is the Trainer's
 (transformers.Trainer.create_optimizer/create_scheduler); TF's is tensorflow/run_mlm.py's
 create_optimizer. The loops are minimal (no Trainer/Keras fit bookkeeping), so they time the framework.
 
@@ -1174,7 +1174,10 @@ def build_parser():
     )
     parser.add_argument("--quick", action="store_true", help="Tiny model, few steps, small matmul: a few minutes.")
     parser.add_argument(
-        "--steps", type=int, default=None, help="Training steps per mode (default 8 quick, 20 otherwise)."
+        "--steps",
+        type=int,
+        default=None,
+        help="Training steps per mode (default 8 quick, 20 otherwise; --end_to_end: 20 quick, 300 otherwise).",
     )
     parser.add_argument(
         "--warmup_steps", type=int, default=None, help="Untimed first steps (default 2 quick, 3 otherwise)."

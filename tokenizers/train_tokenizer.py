@@ -13,7 +13,8 @@
 
 The output folder gets tokenizer.json plus tokenizer_config.json / special_tokens_map.json, so
 ``AutoTokenizer.from_pretrained(output_dir)`` works with no config.json beside it, and the
-special tokens (mask, pad, bos, eos, unk) are set.
+special tokens its model type uses are set: roberta's mask, pad, bos, eos and unk; gpt2's pad, bos, eos and unk
+(<mask> is in its vocabulary, not named); T5's pad, eos and unk.
 
 Example:
   python tokenizers/train_tokenizer.py --tokenizer_type byte_level_bpe \
