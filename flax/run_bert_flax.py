@@ -53,7 +53,7 @@ class BenchmarkArguments:
     )
     batch_size: int = field(default=32, metadata={"help": "Sequences per call."})
     seq_length: int = field(default=128, metadata={"help": "Tokens per sequence."})
-    num_warmup: int = field(default=5, metadata={"help": "Untimed calls first (the first one compiles)."})
+    num_warmup: int = field(default=5, metadata={"help": "Untimed calls first (at least one: the first compiles)."})
     num_iterations: int = field(default=100, metadata={"help": "Timed calls."})
     seed: int = field(default=0, metadata={"help": "Seed of the random weights and token ids."})
     config_name: str | None = field(
