@@ -341,10 +341,9 @@ def worker_torch(spec, batches):
 
 
 def worker_tf(spec, batches):
+    import tensorflow as tf
     from transformers import TFAutoModelForMaskedLM, create_optimizer
     from transformers.modeling_tf_utils import keras
-
-    import tensorflow as tf
 
     if spec["precision"] == "bf16":
         keras.mixed_precision.set_global_policy("mixed_bfloat16")

@@ -78,6 +78,7 @@ import transformers
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
 from etils import epath
+from flax import traverse_util
 from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
@@ -87,8 +88,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
-
-from flax import traverse_util
 
 logger = logging.getLogger(__name__)
 
@@ -1291,7 +1290,8 @@ def common_shapes(batch, pad_token_id):
 
 def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
     """The first `count` training rows, noised as the step sees them, to output_dir/noised_examples.jsonl: the row
-    before noise, the model input (trailing padding left out) and the labels (-100 kept), the first two decoded."""
+    before noise, the model input (trailing padding left out) and the batch's other arrays (labels with -100 kept,
+    masked-LM's masked_positions, ...), the first two decoded."""
     path, seed, records = os.path.join(training_args.output_dir, "noised_examples.jsonl"), training_args.seed, []
     for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
         rows = np.sort(batch_rows)
@@ -1301,8 +1301,8 @@ def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, coun
             kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)
             inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
             original = examples["input_ids"][k]
-            labels = batch["labels"][k].tolist() if "labels" in batch else None
-            record = dict(batch=index, row=int(row), original_ids=list(original), input_ids=inputs, labels=labels)
+            record = dict(batch=index, row=int(row), original_ids=list(original), input_ids=inputs)
+            record.update({key: values[k].tolist() for key, values in batch.items() if key != "input_ids"})
             records.append(
                 {**record, "original_text": tokenizer.decode(original), "input_text": tokenizer.decode(inputs)}
             )

@@ -20,11 +20,10 @@ Use it from Python, or through `tokenizers/train_tokenizer.py --tokenizer_type u
 import json
 from collections.abc import Iterator
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.implementations.base_tokenizer import BaseTokenizer
 from tokenizers.models import Unigram
 from tokenizers.processors import TemplateProcessing
-
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 
 
 class SentencePieceUnigramTokenizer(BaseTokenizer):

@@ -58,6 +58,7 @@ os.environ.setdefault("USE_FLAX", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 import numpy as np
+import tensorflow as tf
 import transformers
 from transformers import (
     AutoConfig,
@@ -67,8 +68,6 @@ from transformers import (
     create_optimizer,
 )
 from transformers.modeling_tf_utils import keras
-
-import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 AUTO = tf.data.AUTOTUNE

@@ -19,10 +19,9 @@ import shutil
 import sys
 import tempfile
 
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import Unigram
 from tokenizers.trainers import UnigramTrainer
-
-from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
 logger = logging.getLogger(__name__)
 # RoBERTa's id order (<s> <pad> </s> <unk> <mask>). The walkthrough put <pad> at 3 and [SEP] at 1, but

@@ -305,6 +305,10 @@ def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, corpus, tmp_path, ca
     args[args.index("--train_file") + 1] = str(tmp_path / "long.txt")
     args[args.index("--max_seq_length") + 1] = "32"
     assert warnings[0] in check_ok(run(args)).stderr
+    row = json.loads((tmp_path / "out" / "noised_examples.jsonl").read_text())
+    # What the masked-LM head sees too: labels[j] is the original token at masked_positions[j].
+    scored = [(p, t) for p, t in zip(row["masked_positions"], row["labels"], strict=True) if t != -100]
+    assert scored and all(row["original_ids"][p] == t for p, t in scored), row
 
 
 def test_a_hub_name_loads_offline_from_the_local_cache(trained, corpus, tmp_path):

@@ -123,9 +123,8 @@ def test_tf_and_pytorch_roberta_agree_with_this_tokenizer(prepared, tmp_path):
 
 
 def test_shard_names_counts_and_contents(prepared, corpus):
-    from transformers import AutoTokenizer
-
     import tensorflow as tf
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     lines = [line for line in (corpus / "train_slice.txt").read_text().splitlines() if line.strip()]
@@ -287,9 +286,8 @@ def script():
 
 
 def test_masking_rate_and_80_10_10(script, prepared):
-    from transformers import AutoTokenizer
-
     import tensorflow as tf
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     rng = np.random.default_rng(0)

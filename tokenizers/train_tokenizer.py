@@ -34,9 +34,8 @@ import tempfile
 os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_TF", "0")
 
-from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
-
 from tokenizers import ByteLevelBPETokenizer, processors
+from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
