@@ -129,7 +129,7 @@ class TrainingArguments:
     ignore_data_skip: bool = arg(False, "Resume on changed data from the start of the saved epoch, not refuse.")
     eval_steps: int | None = arg(None, "Run an evaluation every X steps (default: every epoch).")
     seed: int = arg(42, "Random seed that will be set at the beginning of training.")
-    report_to: str = arg("tensorboard", "tensorboard (events under output_dir/runs) or none.")
+    report_to: str = arg("tensorboard", "tensorboard (events under output_dir/runs; all: the same) or none.")
     log_level: str = arg("passive", "debug, info, warning, error, critical, or passive (info).")
     peak_tflops: float | None = arg(None, "Peak TFLOP/s of one device, to log the MFU.")
     push_to_hub: bool = arg(False, "Whether or not to upload the trained model to the model hub after training.")
