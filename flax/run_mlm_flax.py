@@ -1083,6 +1083,8 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed, 
             files[os.path.basename(path)] = f"{size} bytes, {hashlib.sha256(head + f.read()).hexdigest()[:12]}"
     backend, streamed = getattr(tokenizer, "backend_tokenizer", None), data_args.streaming and "train" in dataset
     vocabulary = backend.to_str() if backend else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    if "train" in dataset and not data_args.streaming and len(dataset["train"]):
+        check_noise_is_pure(collator, dataset["train"], seed)
     return {
         "train_files": files,
         "dataset": f"{data_args.dataset_name} {data_args.dataset_config_name}" if data_args.dataset_name else None,
@@ -1095,6 +1097,18 @@ def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed, 
         "train_batch_size": plan.train_batch_size,
         "resume_checks": resume_checks(collator),
     }
+
+
+def check_noise_is_pure(collator, dataset, seed):
+    """A resume replays batches exactly only if collate_batch draws its noise from (*seed, row id) and the rows alone:
+    the first rows, collated twice, must come out the same (noise from a global or stateful generator differs)."""
+    ids = np.arange(min(2, len(dataset)))
+    first, again = (collate_batch(collator, dataset[ids], (seed, 0), ids, len(ids)) for _ in range(2))
+    if any(not np.array_equal(first[key], again[key]) for key in first):
+        fail(
+            "collate_batch noised the same rows differently when called again: draw the noise from (*seed, row id) "
+            "alone (numpy.random.default_rng([*seed, row_id])), or a resume cannot be exact"
+        )
 
 
 def select_samples(dataset, data_args):

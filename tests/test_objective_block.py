@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 from conftest import (
     ROOT,
     TWO_DEVICES,
@@ -259,3 +260,23 @@ def test_the_collators_seed_and_a_metric_absent_from_most_steps_through_a_copy(g
         if "--do_eval" in extra:
             results = json.loads((tmp_path / "out" / "eval_results.json").read_text())
             assert results["eval_first"] == 1 and 0 < results["eval_row_0_tokens"] < results["eval_predicted_tokens"]
+
+
+def test_noise_from_a_stateful_generator_is_refused(monkeypatch):
+    """A block whose collate_batch draws from a generator that keeps state (numpy's global one, say) would resume with
+    other noise than the uninterrupted run: the first rows collated twice differ, and the run stops in one line."""
+    import datasets
+    import numpy as np
+
+    script = load_script("flax/run_mlm_flax.py", "objective_block_run_mlm_flax")
+    rows = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9, 10]]})
+    pure = lambda collator, examples, seed, ids, n: {"input_ids": np.array(examples["input_ids"]) + seed[0]}  # noqa: E731
+    monkeypatch.setattr(script, "collate_batch", pure)
+    script.check_noise_is_pure(None, rows, 1)
+    np.random.seed(0)
+    stateful = lambda collator, examples, seed, ids, n: {"input_ids": np.random.randint(0, 9, (n, 3))}  # noqa: E731
+    monkeypatch.setattr(script, "collate_batch", stateful)
+    with pytest.raises(
+        SystemExit, match=r"collate_batch noised the same rows differently .*default_rng\(\[\*seed, row_id\]\)"
+    ):
+        script.check_noise_is_pure(None, rows, 1)
