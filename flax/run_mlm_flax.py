@@ -771,7 +771,11 @@ CHOICES = {
     "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
     "fsdp": ("", "full_shard", "hybrid_shard"),
 }
-EVAL_ONLY = ("eval_steps", "per_device_eval_batch_size", "max_eval_samples")
+# Flags that do nothing with --streaming, without it, without --do_eval, and upstream's that do nothing here.
+IN_MEMORY_ONLY = ("--preprocessing_num_workers", "--overwrite_cache", "--validation_split_percentage")
+STREAM_ONLY = ("--shuffle_buffer_size",)
+EVAL_ONLY = ("--eval_steps", "--per_device_eval_batch_size", "--max_eval_samples")
+UPSTREAM_ONLY = ("--train_ref_file", "--validation_ref_file")
 WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
 
 
@@ -815,19 +819,14 @@ def validate_args(model_args, data_args, training_args):
         if refused:
             fail(message)
     validate_objective(data_args)
-    unused = ("preprocessing_num_workers", "overwrite_cache", "validation_split_percentage")
-    unused = unused if streamed else ("shuffle_buffer_size",)
-    unused = [f"--{f.name}" for f in fields(DataArguments) if f.name in unused and getattr(data, f.name) != f.default]
-    if unused:
-        logger.warning(f"{', '.join(unused)}: no effect {'with' if streamed else 'without'} --streaming")
-    unused = [
-        f.name for g in (data, args) for f in fields(g) if f.name in EVAL_ONLY and getattr(g, f.name) != f.default
-    ]
-    if unused and not args.do_eval:  # upstream's Flax scripts evaluate every --eval_steps; these need --do_eval
-        logger.warning(f"--{', --'.join(unused)}: no effect without --do_eval (no evaluation will run)")
-    for flag in ("train_ref_file", "validation_ref_file"):  # in upstream's MLM, T5 and BART scripts
-        if getattr(data, flag, None):
-            logger.warning(f"--{flag} is accepted as upstream but not used (no whole-word masking by reference file)")
+    given = [f"--{f.name}" for group in (data, args) for f in fields(group) if getattr(group, f.name) != f.default]
+    for names, why in (  # flags given that do nothing here, in one line each
+        (IN_MEMORY_ONLY if streamed else STREAM_ONLY, f"no effect {'with' if streamed else 'without'} --streaming"),
+        (EVAL_ONLY * (not args.do_eval), "no effect without --do_eval (no evaluation will run)"),
+        (UPSTREAM_ONLY, "accepted as upstream, not used (no whole-word masking by reference file)"),
+    ):
+        if unused := [flag for flag in given if flag in names]:
+            logger.warning(f"{', '.join(unused)}: {why}")
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         check_hub_name(f"--{flag}", path)

@@ -397,7 +397,7 @@ def test_data_flags_that_do_nothing_in_this_mode_are_named(request, corpus, tmp_
         module.validate_args(
             *module.parse_args(mlm(request, corpus, tmp_path / "out", "--train_ref_file", "r", script=path)[1:])
         )
-        assert "--train_ref_file is accepted as upstream but not used" in caplog.text
+        assert "--train_ref_file: accepted as upstream, not used" in caplog.text
         caplog.clear()
 
 
