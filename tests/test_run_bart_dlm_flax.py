@@ -8,7 +8,7 @@ import pytest
 from conftest import (
     RELOAD_RTOL,
     TINY_BART,
-    TWO_DEVICES,
+    TWO_DEVICES_OPTIMISED,
     check_names_itself,
     check_ok,
     error_line,
@@ -227,7 +227,7 @@ def trained(bart_dir, corpus, tmp_path_factory):
         "--do_eval",
         "--overwrite_output_dir",
     )
-    return out, args, check_ok(run(args, env=TWO_DEVICES))
+    return out, args, check_ok(run(args, env=TWO_DEVICES_OPTIMISED))
 
 
 def test_trains_on_two_devices_and_reloads(trained, tmp_path):

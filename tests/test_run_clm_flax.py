@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import (
     RELOAD_RTOL,
-    TWO_DEVICES,
+    TWO_DEVICES_OPTIMISED,
     bad_input,
     check_names_itself,
     check_ok,
@@ -51,7 +51,7 @@ def trained(gpt2_dir, corpus, tmp_path_factory):
                 "--overwrite_output_dir",
                 script=renamed_copy(SCRIPT, tmp_path_factory.mktemp("copy")),
             ),
-            env=TWO_DEVICES,
+            env=TWO_DEVICES_OPTIMISED,
         )
     )
     return out, result

@@ -9,6 +9,7 @@ from conftest import (
     RELOAD_RTOL,
     ROOT,
     TWO_DEVICES,
+    TWO_DEVICES_OPTIMISED,
     bad_input,
     check_ok,
     datasets_cache,
@@ -52,7 +53,7 @@ def trained(tiny_model_dir, corpus, tmp_path_factory):
                 "100",
                 "--overwrite_output_dir",
             ),
-            env=TWO_DEVICES,
+            env=TWO_DEVICES_OPTIMISED,
         )
     )
     return out, result

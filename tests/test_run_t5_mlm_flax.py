@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import (
     RELOAD_RTOL,
-    TWO_DEVICES,
+    TWO_DEVICES_OPTIMISED,
     check_names_itself,
     check_ok,
     error_line,
@@ -136,7 +136,7 @@ def trained(t5_dir, corpus, tmp_path_factory):
         "--do_eval",
         "--overwrite_output_dir",
     )
-    return out, args, check_ok(run(args, env=TWO_DEVICES))
+    return out, args, check_ok(run(args, env=TWO_DEVICES_OPTIMISED))
 
 
 def test_trains_on_two_devices_and_reloads(trained, tmp_path):
