@@ -16,6 +16,9 @@ os.environ.setdefault("USE_FLAX", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+WEIGHTS = ("tf_model.h5", "model.safetensors", "pytorch_model.bin")
+
+
 def fail(message):
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
@@ -34,12 +37,10 @@ def main(argv=None):
         fail(f"--top_k must be positive, got {args.top_k}")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         fail(f"--model_dir {args.model_dir} holds no model (config.json); train one with tensorflow/run_mlm.py")
-    if not any(
-        os.path.isfile(os.path.join(args.model_dir, name))
-        for name in ("tf_model.h5", "model.safetensors", "pytorch_model.bin")
-    ):
+    weights = [n for n in WEIGHTS if os.path.isfile(os.path.join(args.model_dir, n))]
+    if not weights:
         fail(
-            f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights (tf_model.h5, model.safetensors); for a Flax "
+            f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights ({', '.join(WEIGHTS)}); for a Flax "
             "run's output, convert it with flax/export_to_pytorch.py first"
         )
 
@@ -51,7 +52,8 @@ def main(argv=None):
     for text in args.text:
         if tokenizer.mask_token not in text:
             fail(f"{text!r} has no {tokenizer.mask_token}, the mask token of this tokenizer")
-    model = TFAutoModelForMaskedLM.from_pretrained(args.model_dir)
+    # transformers reads tf_model.h5 and model.safetensors itself; PyTorch's pickled weights only when told to
+    model = TFAutoModelForMaskedLM.from_pretrained(args.model_dir, from_pt=weights == ["pytorch_model.bin"])
     fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, framework="tf")
     results = []
     for text in args.text:

@@ -264,6 +264,31 @@ def test_fill_mask_returns_k_scored_predictions(mirrored):
     assert all(p["token"] and p["token"] not in ("[MASK]", "<pad>") for p in predictions)
 
 
+def test_fill_mask_reads_a_folder_of_pytorch_weights(prepared, tmp_path, capsys):
+    """A folder holding only pytorch_model.bin (PyTorch's older format, still the hub's for many models): fill_mask.py
+    loads it into TensorFlow, and its scores are the PyTorch model's probabilities."""
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(str(prepared / "config"))).eval()
+    model.save_pretrained(tmp_path, safe_serialization=False)
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "pytorch_model.bin").is_file() and not list(tmp_path.glob("*.safetensors"))
+    text = "the company said its [MASK] rose"
+    fill_mask = load_script("tensorflow/fill_mask.py", "tf_fill_mask")
+    fill_mask.main(["--model_dir", str(tmp_path), "--top_k", "3", "--json", text])
+    predictions = json.loads(capsys.readouterr().out)[0]["masks"][0]
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        probabilities = model(ids).logits[0, ids[0].tolist().index(tokenizer.mask_token_id)].softmax(-1)
+    third = float(probabilities.topk(3).values[-1])
+    for p in predictions:  # two frameworks' float32 kernels: logits within about 1e-6, so probabilities within 1e-5
+        assert p["score"] == pytest.approx(float(probabilities[tokenizer.convert_tokens_to_ids(p["token"])]), rel=1e-5)
+        assert p["score"] >= third * (1 - 1e-5)  # the top 3, whatever the order of near-ties
+
+
 def test_one_device_with_jit_compile(prepared):
     out = prepared / "xla"
     result = check_ok(
