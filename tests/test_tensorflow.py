@@ -186,39 +186,25 @@ def test_metrics_written_and_model_reloads(mirrored):
 
 
 def test_steps_schedule_and_tensorboard_from_given_weights(mirrored, prepared, tmp_path):
-    """--max_steps past the end of the data, --eval_steps, --warmup_steps and --model_name_or_path (the weights the
-    mirrored run trained), with the Trainer's TensorBoard tags at the global steps; --full_determinism repeats a run."""
+    """--max_steps past the end of the data (the 129 validation records, 16 a step: nearly two epochs), --eval_steps,
+    --warmup_steps and --model_name_or_path (the weights the mirrored run trained), with the Trainer's TensorBoard tags
+    at the global steps; --full_determinism repeats a run."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
 
     trained, _ = mirrored
     out = tmp_path / "steps"
+    steps = ["--no_tpu", "--model_name_or_path", str(trained), "--per_replica_batch_size", "16", "--max_steps", "16"]
+    steps += ["--eval_steps", "6", "--warmup_steps", "8", "--full_determinism"]
     for folder in (out, tmp_path / "again"):
-        check_ok(
-            run(
-                mlm_args(
-                    prepared,
-                    folder,
-                    "--no_tpu",
-                    "--model_name_or_path",
-                    str(trained),
-                    "--per_replica_batch_size",
-                    "128",
-                    "--max_steps",
-                    "16",
-                    "--eval_steps",
-                    "6",
-                    "--warmup_steps",
-                    "8",
-                    "--full_determinism",
-                )
-            )
-        )
+        args = mlm_args(prepared, folder, *steps)
+        args[args.index("--train_dataset") + 1] = str(prepared / "shards" / "validation")
+        check_ok(run(args))
     train = json.loads((out / "train_results.json").read_text())
     assert train["train_loss"] == json.loads((tmp_path / "again" / "train_results.json").read_text())["train_loss"]
     assert (
         train["global_step"] == 16
-        and train["epoch"] == pytest.approx(16 * 128 / train["train_samples"])
+        and train["epoch"] == pytest.approx(16 * 16 / train["train_samples"])
         and train["epoch"] > 1
     )
     (events,) = (out / "runs").rglob("events.out.tfevents.*")
