@@ -40,7 +40,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 # Only PyTorch is used: keep transformers from importing TensorFlow and JAX (several seconds).
@@ -571,18 +571,28 @@ class MaskEpochCallback(TrainerCallback):
 class MaskedLMTrainer(Trainer):
     """Evaluates with the collator's evaluation masks and reports the token-weighted eval loss. It needs each token's
     prediction and loss (two numbers a token, see preprocess_logits_for_metrics), so it gathers them even under
-    --prediction_loss_only: eval_loss means the same with and without that flag."""
+    --prediction_loss_only: eval_loss means the same with and without that flag.
+
+    torch_xla's loaders collate and read ahead in threads of their own, so the evaluation masks come from a collator
+    of the evaluation loader's own (a flag on the shared one would reach training batches collated meanwhile), and
+    every row is gathered as is: accelerate's gather_for_metrics cuts a batch down to the last batch's rows when the
+    loader reports its end, which a thread running ahead reports early (it cut rows of full batches).
+    compute_metrics drops the padding, which comes last."""
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        training = self.data_collator
+        self.data_collator = replace(training, evaluating=True)
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = training
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        collator = self.data_collator
-        collator.evaluating = True
         per_token = False if self.compute_metrics is not None else prediction_loss_only
-        try:
-            output = super().evaluation_loop(dataloader, description, per_token, ignore_keys, metric_key_prefix)
-        finally:
-            collator.evaluating = False
+        self.gather_function = self.accelerator.gather  # the Trainer sets it back after its loop
+        output = super().evaluation_loop(dataloader, description, per_token, ignore_keys, metric_key_prefix)
         prefix = metric_key_prefix
         if f"{prefix}_token_loss" in output.metrics:
             output.metrics[f"{prefix}_loss"] = output.metrics.pop(f"{prefix}_token_loss")
@@ -611,8 +621,10 @@ def preprocess_logits_for_metrics(logits, labels):
     return logits.argmax(dim=-1), token_loss
 
 
-def compute_metrics(eval_preds):
+def compute_metrics(eval_preds, rows=None):
+    """`rows`: the evaluation set's, the first gathered (processes pad their last batches with repeated rows)."""
     (predictions, token_loss), labels = eval_preds
+    predictions, token_loss, labels = predictions[:rows], token_loss[:rows], labels[:rows]
     mask = labels != -100
     count = int(mask.sum())
     return {
@@ -970,6 +982,7 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, trai
         seed=training_args.seed,
         pad_to_multiple_of=8 if pad_to_multiple_of_8 else None,
     )
+    eval_rows = None if data_args.streaming or eval_dataset is None else len(eval_dataset)
     return MaskedLMTrainer(
         model=model,
         args=training_args,
@@ -978,7 +991,7 @@ def build_trainer(model, tokenizer, train_dataset, eval_dataset, data_args, trai
         processing_class=tokenizer,
         data_collator=collator,
         compute_loss_func=masked_lm_loss,
-        compute_metrics=compute_metrics if training_args.do_eval else None,
+        compute_metrics=functools.partial(compute_metrics, rows=eval_rows) if training_args.do_eval else None,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics if training_args.do_eval else None,
         callbacks=[MaskEpochCallback(collator)],
     )

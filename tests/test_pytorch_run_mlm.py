@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -338,9 +340,9 @@ def test_xla_spawn_one_core_on_xla_cpu_matches_eager(equivalence):
     # XLA's CPU compiler fuses and reorders the float32 sums and has its own exp and tanh: 1e-4 of a loss of 7
     # (torch_xla 2.9 against eager torch 2.13).
     assert trainer_losses(result.stdout) == pytest.approx(expected, abs=5e-3)
-    assert results(root / "xla", "eval")["eval_loss"] == pytest.approx(
-        results(root / "single", "eval")["eval_loss"], abs=5e-3
-    )
+    xla, eager = results(root / "xla", "eval"), results(root / "single", "eval")
+    assert xla["eval_loss"] == pytest.approx(eager["eval_loss"], abs=5e-3)
+    assert (xla["eval_samples"], xla["eval_masked_tokens"]) == (eager["eval_samples"], eager["eval_masked_tokens"])
 
 
 @pytest.mark.skipif(
@@ -369,11 +371,15 @@ def test_xla_spawn_without_torch_xla(tiny_model_dir, corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def collator(tiny_model_dir):
+def script():
+    return load_script(SCRIPT, "pytorch_run_mlm")
+
+
+@pytest.fixture(scope="module")
+def collator(script, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    module = load_script(SCRIPT, "pytorch_run_mlm")
-    return module.DataCollatorForMaskedLM(
+    return script.DataCollatorForMaskedLM(
         AutoTokenizer.from_pretrained(str(tiny_model_dir)), mlm_probability=0.15, seed=3
     )
 
@@ -416,6 +422,55 @@ def test_masks_depend_on_example_and_epoch_not_batch(collator):
         assert not np.array_equal(collator(feats)["labels"].numpy(), whole)
     finally:
         collator.epoch = 0
+
+
+def test_evaluation_counts_every_row_while_loaders_read_ahead(script, collator, tiny_model_dir, tmp_path):
+    """torch_xla's loader threads read the evaluation loader to its end while its first batches are evaluated, and
+    collate training batches meanwhile. Here the loader has read all its batches before the first is evaluated: every
+    row still counts once (accelerate cut each batch to the last one's row), and a training batch collated during the
+    evaluation still gets the training masks."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForMaskedLM, TrainerCallback, TrainingArguments
+
+    rows, train_rows = features(collator.tokenizer, 7, length=16), features(collator.tokenizer, 4, length=16)
+    trainer = script.build_trainer(
+        AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_model_dir)),
+        collator.tokenizer,
+        None,
+        Dataset.from_list(rows),
+        SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
+        TrainingArguments(
+            tmp_path, do_eval=True, per_device_eval_batch_size=2, remove_unused_columns=False, report_to=[]
+        ),
+    )
+    training = trainer.data_collator
+    expected = training(train_rows)["labels"]
+
+    class DuringEvaluation(TrainerCallback):
+        def on_prediction_step(self, *args, **kwargs):
+            self.labels = training(train_rows)["labels"]
+
+    class ReadAhead:
+        def __init__(self, loader):
+            self.loader, self.dataset = loader, loader.dataset
+
+        def __len__(self):
+            return len(self.loader)
+
+        def __iter__(self):
+            ahead = iter(self.loader)
+            batches = [next(ahead) for _ in range(len(self.loader))]  # at its end, not yet closed
+            yield from batches
+            next(ahead, None)
+
+    during, loader = DuringEvaluation(), trainer.get_eval_dataloader
+    trainer.add_callback(during)
+    trainer.get_eval_dataloader = lambda dataset=None: ReadAhead(loader(dataset))
+    metrics = trainer.evaluate()
+    evaluation = replace(training, evaluating=True)(rows)["labels"]
+    assert metrics["eval_masked_tokens"] == int((evaluation != -100).sum()) > 0
+    assert torch.equal(during.labels, expected)
 
 
 # --- bad input: one line, non-zero exit, nothing overwritten ---------------------------------------
@@ -465,8 +520,6 @@ def test_hub_names_while_offline(bad, tmp_path):
 
 @pytest.mark.parametrize("native", ["0", "1"])
 def test_bf16_warning_only_without_bf16_instructions(native, monkeypatch):
-    from types import SimpleNamespace
-
     module = load_script(SCRIPT, "pytorch_run_mlm_bf16")
     warned = []
     monkeypatch.setattr(module.logger, "warning", warned.append)
