@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import safetensors.numpy
 import transformers
 from datasets import load_dataset
 from datasets.distributed import split_dataset_by_node
@@ -1404,7 +1405,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
 
 def load_pretrained(model_class, config, path, model_args, training_args, kwargs):
     """A pretrained model and its parameters from `path` (a folder, or a hub name): its Flax weights, or else its
-    PyTorch ones (pytorch_model.bin, sharded or not, or model.safetensors), converted as transformers' from_pt does.
+    PyTorch ones (pytorch_model.bin or model.safetensors, whole or sharded), converted as transformers' from_pt does.
     Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
     hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
     names = [name for weights in WEIGHTS for name in (weights, f"{weights}.index.json")]
@@ -1424,7 +1425,8 @@ def load_pretrained(model_class, config, path, model_args, training_args, kwargs
         else:  # transformers converts PyTorch weights only into a model that holds initialised parameters
             logger.info(f"{path} has no Flax weights: converting its PyTorch weights ({found[0]})")
             eager = {**kwargs, "_do_init": True}
-            pretrained = model_class.from_pretrained(path, config=loaded, from_pt=True, **hub, **eager)
+            with whole_safetensors(path, found[0], hub) as source:
+                pretrained = model_class.from_pretrained(source, config=loaded, from_pt=True, **hub, **eager)
             model, params = model_class.from_config(loaded, **kwargs), pretrained.params
     except ImportError as e:
         fail(f"cannot load the model {path!r}: its {found[0]} needs PyTorch to convert ({e}); pip install torch")
@@ -1434,6 +1436,24 @@ def load_pretrained(model_class, config, path, model_args, training_args, kwargs
         model, fresh = init_model(model_class, config, None, model_args, training_args, abstract=False)
         params = grow_vocabulary(config, params, fresh, saved)
     return model, params
+
+
+@contextlib.contextmanager
+def whole_safetensors(path, weights, hub):
+    """`path`, or a folder where its sharded model.safetensors is written whole (transformers' Flax loader reads only
+    a whole one): the shards are read into host memory, then written as one file, which is removed afterwards."""
+    if weights != "model.safetensors.index.json":
+        yield path
+        return
+    with open(transformers.utils.cached_file(path, weights, **hub)) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    tensors = {}
+    for shard in shards:
+        tensors.update(safetensors.numpy.load_file(transformers.utils.cached_file(path, shard, **hub)))
+    with tempfile.TemporaryDirectory() as folder:
+        safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        yield folder
 
 
 def grow_vocabulary(config, params, fresh, old_size):

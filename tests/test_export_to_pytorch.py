@@ -88,7 +88,7 @@ def test_export_bad_input(tmp_path, tiny_model_dir):
 
 
 def test_flax_scripts_start_from_pytorch_weights(gpt2_dir, tiny_model_dir, corpus, tmp_path):
-    """A model folder holding only PyTorch weights (pytorch_model.bin, sharded or not, or model.safetensors), as most
+    """A model folder holding only PyTorch weights (pytorch_model.bin or model.safetensors, whole or sharded), as most
     published models are stored: the Flax scripts convert it, to the same parameters from every format, and the loss
     equals the PyTorch model's own on the same batch; MLM and CLM train from it. A folder with no weights is one line
     naming the files looked for."""
@@ -101,10 +101,12 @@ def test_flax_scripts_start_from_pytorch_weights(gpt2_dir, tiny_model_dir, corpu
     pt_model = transformers.GPT2LMHeadModel(config).eval()
     formats = {"bin": dict(safe_serialization=False), "safetensors": {}}
     formats["sharded"] = dict(safe_serialization=False, max_shard_size="200KB")
+    formats["sharded_safetensors"] = dict(max_shard_size="200KB")  # transformers' Flax loader refuses these
     for name, kwargs in formats.items():
         pt_model.save_pretrained(tmp_path / name, **kwargs)
         transformers.AutoTokenizer.from_pretrained(gpt2_dir).save_pretrained(tmp_path / name)
     assert len(list((tmp_path / "sharded").glob("pytorch_model-*.bin"))) > 1
+    assert len(list((tmp_path / "sharded_safetensors").glob("model-*.safetensors"))) > 1
     ids = np.random.default_rng(0).integers(5, config.vocab_size, size=(2, 24)).astype(np.int32)
     with torch.no_grad():
         expected = float(pt_model(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long()).loss)
