@@ -308,7 +308,8 @@ def test_gradient_accumulation_equals_the_larger_batch(equivalence):
 def test_torchrun_two_processes_equals_one_process(equivalence):
     """torchrun on CPU with no extra flag: world size 2 over gloo, gradients averaged over the global batch."""
     root, args, expected = equivalence
-    result = check_ok(run(["-m", "torch.distributed.run", "--nproc_per_node", "2", *args("ddp", 4)]))
+    elastic = {"TMPDIR": str(root)}  # torchrun's torchelastic_* folders, which it leaves behind
+    result = check_ok(run(["-m", "torch.distributed.run", "--nproc_per_node", "2", *args("ddp", 4)], env=elastic))
     assert result.stdout.count("world size: 2") == 2
     assert (
         results(root / "ddp", "train")["world_size"] == 2 and results(root / "ddp", "train")["global_batch_size"] == 8
