@@ -507,14 +507,24 @@ class DataCollatorForMaskedLM:
     `mlm_probability` are selected; of those 80% become the mask token, 10% a random token, 10% stay.
     Labels are -100 elsewhere. Each example's draws come from its own generator, seeded by
     (seed, epoch, example_id) in training and (seed, example_id) in evaluation, so masks do not depend
-    on batch size, process count, gradient accumulation or resumption."""
+    on batch size, process count, gradient accumulation, DataLoader workers or resumption."""
 
     tokenizer: PreTrainedTokenizerBase
     mlm_probability: float = 0.15
     seed: int = 42
     pad_to_multiple_of: int | None = None
-    epoch: int = 0
     evaluating: bool = False
+    # In shared memory: DataLoader workers kept across epochs (--dataloader_persistent_workers) keep the collator they
+    # started with, and would draw every epoch's masks with the first epoch's key.
+    shared_epoch: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64).share_memory_())
+
+    @property
+    def epoch(self):
+        return int(self.shared_epoch)
+
+    @epoch.setter
+    def epoch(self, epoch):
+        self.shared_epoch.fill_(epoch)
 
     def __call__(self, features):
         features = [dict(f) for f in features]

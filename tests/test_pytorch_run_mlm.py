@@ -425,26 +425,59 @@ def test_masks_depend_on_example_and_epoch_not_batch(collator):
         collator.epoch = 0
 
 
+def tiny_trainer(script, model_dir, train_rows, eval_rows, output_dir, **training):
+    """The script's Trainer, in process, on rows of features() and a fresh tiny model."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, TrainingArguments
+
+    return script.build_trainer(
+        AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(model_dir)),
+        AutoTokenizer.from_pretrained(str(model_dir)),
+        train_rows and Dataset.from_list(train_rows),
+        eval_rows and Dataset.from_list(eval_rows),
+        SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
+        TrainingArguments(
+            output_dir, remove_unused_columns=False, dataloader_pin_memory=False, report_to=[], **training
+        ),
+    )
+
+
+def test_masks_change_each_epoch_in_persistent_workers(script, collator, tiny_model_dir, tmp_path):
+    """--dataloader_persistent_workers keeps its worker processes, with their copy of the collator, from one epoch to
+    the next: the batches of two epochs still equal those collated in the main process."""
+    import torch
+
+    rows, seen = features(collator.tokenizer, 8, length=16), {}
+    for workers in (0, 1):
+        trainer = tiny_trainer(
+            script,
+            tiny_model_dir,
+            rows,
+            None,
+            tmp_path / str(workers),
+            per_device_train_batch_size=4,
+            num_train_epochs=2,
+            dataloader_num_workers=workers,
+            dataloader_persistent_workers=workers > 0,
+        )
+        labels, loss = seen.setdefault(workers, []), trainer.compute_loss
+        trainer.compute_loss = lambda model, inputs, *args, **kwargs: (
+            labels.append(inputs["labels"].clone()) or loss(model, inputs, *args, **kwargs)
+        )
+        trainer.train()
+    assert len(seen[0]) == 4 and all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
+
+
 def test_evaluation_counts_every_row_while_loaders_read_ahead(script, collator, tiny_model_dir, tmp_path):
     """torch_xla's loader threads read the evaluation loader to its end while its first batches are evaluated, and
     collate training batches meanwhile. Here the loader has read all its batches before the first is evaluated: every
     row still counts once (accelerate cut each batch to the last one's row), and a training batch collated during the
     evaluation still gets the training masks."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForMaskedLM, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     rows, train_rows = features(collator.tokenizer, 7, length=16), features(collator.tokenizer, 4, length=16)
-    trainer = script.build_trainer(
-        AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_model_dir)),
-        collator.tokenizer,
-        None,
-        Dataset.from_list(rows),
-        SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
-        TrainingArguments(
-            tmp_path, do_eval=True, per_device_eval_batch_size=2, remove_unused_columns=False, report_to=[]
-        ),
-    )
+    trainer = tiny_trainer(script, tiny_model_dir, None, rows, tmp_path, do_eval=True, per_device_eval_batch_size=2)
     training = trainer.data_collator
     expected = training(train_rows)["labels"]
 
