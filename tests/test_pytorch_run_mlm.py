@@ -246,8 +246,9 @@ def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
 
 @pytest.fixture(scope="module")
 def equivalence(tiny_model_dir, corpus, tmp_path_factory):
-    """Three steps on a global batch of 8, without dropout: one process with batch 8, and the same
-    command line (per-device batch and output folder aside) for the other launchers. Plain SGD, so that the weights
+    """Three steps on a global batch of 8 from 16 rows (the third starts the second epoch, masked anew), without
+    dropout: one process with batch 8, and the same command line (per-device batch and output folder aside) for the
+    other launchers. Plain SGD, so that the weights
     are the initial ones minus the learning rate times the gradients (AdamW's first step is about lr x sign(g): a
     weight whose gradient is within float rounding of zero would end 2 lr apart, and a wrong gradient scale would
     not show at all)."""
@@ -274,6 +275,8 @@ def equivalence(tiny_model_dir, corpus, tmp_path_factory):
             "1",
             "--save_strategy",
             "no",
+            "--max_train_samples",
+            "16",
             *extra,
         )
 
@@ -303,6 +306,13 @@ def test_gradient_accumulation_equals_the_larger_batch(equivalence):
     assert len(expected) == 3
     result = check_ok(run(args("accumulated", 4, "--gradient_accumulation_steps", "2")))
     assert_same_run(root, "accumulated", result.stdout, expected)
+
+
+def test_persistent_dataloader_workers_equal_one_process(equivalence):
+    """Workers kept across epochs keep the collator they started with: the second epoch is still masked anew."""
+    root, args, expected = equivalence
+    persistent = ("--dataloader_num_workers", "1", "--dataloader_persistent_workers", "true")
+    assert_same_run(root, "workers", check_ok(run(args("workers", 8, *persistent))).stdout, expected)
 
 
 def test_torchrun_two_processes_equals_one_process(equivalence):
@@ -440,32 +450,6 @@ def tiny_trainer(script, model_dir, train_rows, eval_rows, output_dir, **trainin
             output_dir, remove_unused_columns=False, dataloader_pin_memory=False, report_to=[], **training
         ),
     )
-
-
-def test_masks_change_each_epoch_in_persistent_workers(script, collator, tiny_model_dir, tmp_path):
-    """--dataloader_persistent_workers keeps its worker processes, with their copy of the collator, from one epoch to
-    the next: the batches of two epochs still equal those collated in the main process."""
-    import torch
-
-    rows, seen = features(collator.tokenizer, 8, length=16), {}
-    for workers in (0, 1):
-        trainer = tiny_trainer(
-            script,
-            tiny_model_dir,
-            rows,
-            None,
-            tmp_path / str(workers),
-            per_device_train_batch_size=4,
-            num_train_epochs=2,
-            dataloader_num_workers=workers,
-            dataloader_persistent_workers=workers > 0,
-        )
-        labels, loss = seen.setdefault(workers, []), trainer.compute_loss
-        trainer.compute_loss = lambda model, inputs, *args, **kwargs: (
-            labels.append(inputs["labels"].clone()) or loss(model, inputs, *args, **kwargs)
-        )
-        trainer.train()
-    assert len(seen[0]) == 4 and all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
 
 
 def test_evaluation_counts_every_row_while_loaders_read_ahead(script, collator, tiny_model_dir, tmp_path):
