@@ -248,10 +248,9 @@ def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
 def equivalence(tiny_model_dir, corpus, tmp_path_factory):
     """Three steps on a global batch of 8 from 16 rows (the third starts the second epoch, masked anew), without
     dropout: one process with batch 8, and the same command line (per-device batch and output folder aside) for the
-    other launchers. Plain SGD, so that the weights
-    are the initial ones minus the learning rate times the gradients (AdamW's first step is about lr x sign(g): a
-    weight whose gradient is within float rounding of zero would end 2 lr apart, and a wrong gradient scale would
-    not show at all)."""
+    other launchers. Plain SGD, so that the weights are the initial ones minus the learning rate times the gradients
+    (AdamW's first step is about lr x sign(g): a weight whose gradient is within float rounding of zero would end 2 lr
+    apart, and a wrong gradient scale would not show at all)."""
     root = tmp_path_factory.mktemp("equiv")
 
     def args(name, batch, *extra):
@@ -435,33 +434,26 @@ def test_masks_depend_on_example_and_epoch_not_batch(collator):
         collator.epoch = 0
 
 
-def tiny_trainer(script, model_dir, train_rows, eval_rows, output_dir, **training):
-    """The script's Trainer, in process, on rows of features() and a fresh tiny model."""
-    from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, TrainingArguments
-
-    return script.build_trainer(
-        AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(model_dir)),
-        AutoTokenizer.from_pretrained(str(model_dir)),
-        train_rows and Dataset.from_list(train_rows),
-        eval_rows and Dataset.from_list(eval_rows),
-        SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
-        TrainingArguments(
-            output_dir, remove_unused_columns=False, dataloader_pin_memory=False, report_to=[], **training
-        ),
-    )
-
-
 def test_evaluation_counts_every_row_while_loaders_read_ahead(script, collator, tiny_model_dir, tmp_path):
     """torch_xla's loader threads read the evaluation loader to its end while its first batches are evaluated, and
     collate training batches meanwhile. Here the loader has read all its batches before the first is evaluated: every
     row still counts once (accelerate cut each batch to the last one's row), and a training batch collated during the
     evaluation still gets the training masks."""
     import torch
-    from transformers import TrainerCallback
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForMaskedLM, TrainerCallback, TrainingArguments
 
     rows, train_rows = features(collator.tokenizer, 7, length=16), features(collator.tokenizer, 4, length=16)
-    trainer = tiny_trainer(script, tiny_model_dir, None, rows, tmp_path, do_eval=True, per_device_eval_batch_size=2)
+    trainer = script.build_trainer(
+        AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_model_dir)),
+        collator.tokenizer,
+        None,
+        Dataset.from_list(rows),
+        SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
+        TrainingArguments(
+            tmp_path, do_eval=True, per_device_eval_batch_size=2, remove_unused_columns=False, report_to=[]
+        ),
+    )
     training = trainer.data_collator
     expected = training(train_rows)["labels"]
 
