@@ -451,7 +451,12 @@ def test_evaluation_counts_every_row_while_loaders_read_ahead(script, collator, 
         Dataset.from_list(rows),
         SimpleNamespace(mlm_probability=0.15, line_by_line=False, pad_to_max_length=False, streaming=False),
         TrainingArguments(
-            tmp_path, do_eval=True, per_device_eval_batch_size=2, remove_unused_columns=False, report_to=[]
+            tmp_path,
+            do_eval=True,
+            per_device_eval_batch_size=2,
+            remove_unused_columns=False,
+            dataloader_pin_memory=False,  # no accelerator: torch would warn that pinning does nothing
+            report_to=[],
         ),
     )
     training = trainer.data_collator
