@@ -52,8 +52,9 @@ def main(argv=None):
     for text in args.text:
         if tokenizer.mask_token not in text:
             fail(f"{text!r} has no {tokenizer.mask_token}, the mask token of this tokenizer")
-    # transformers reads tf_model.h5 and model.safetensors itself; PyTorch's pickled weights only when told to
-    model = TFAutoModelForMaskedLM.from_pretrained(args.model_dir, from_pt=weights == ["pytorch_model.bin"])
+    # PyTorch's weights only by from_pt: transformers 4.57 fails on PyTorch's model.safetensors without it
+    # (TypeError: 'builtins.safe_open' object is not iterable)
+    model = TFAutoModelForMaskedLM.from_pretrained(args.model_dir, from_pt="tf_model.h5" not in weights)
     fill = pipeline("fill-mask", model=model, tokenizer=tokenizer, framework="tf")
     results = []
     for text in args.text:

@@ -27,7 +27,8 @@ Differences from upstream, all fixes:
 - Steps and logs, with the Trainer's flag names: --max_steps (the data repeats as needed), --warmup_steps (default:
   upstream's 5 %), --eval_steps (fit runs stretches of that many steps, each ending in an evaluation), and TensorBoard
   events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...; --report_to none to
-  skip). --model_name_or_path starts from saved TF weights, e.g. the same initial model as another framework's run.
+  skip). --model_name_or_path starts from saved TF or PyTorch weights, e.g. the same initial model as another
+  framework's run.
   --full_determinism (the Trainer's name) makes a seeded run repeatable.
 - Shards are checked before training (names, counts, sequence length); the hub is only contacted when
   --hub_model_id is given, and offline that fails before training. The model and tokenizer are saved
@@ -73,6 +74,7 @@ logger = logging.getLogger(__name__)
 AUTO = tf.data.AUTOTUNE
 SHARD_NAME = re.compile(r"-\d+-(\d+)\.tfrecord$")
 OFFSET_POSITION_MODELS = ("roberta", "xlm-roberta", "camembert")
+WEIGHTS = ("tf_model.h5", "model.safetensors", "pytorch_model.bin")  # TF's, then PyTorch's (pytorch/run_mlm.py's)
 
 
 def fail(message):
@@ -90,7 +92,7 @@ def add_model_args(parser):
     parser.add_argument(
         "--model_name_or_path",
         type=str,
-        help="Start from these TF weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.",
+        help="Start from these TF or PyTorch weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.",
     )
     parser.add_argument(
         "--tokenizer",
@@ -600,6 +602,11 @@ def check_output_dir(output_dir, overwrite_output_dir):
     check_writable("--output_dir", output_dir)
 
 
+def saved_weights(path):
+    """The weights files of WEIGHTS in the folder `path` (none for a hub name)."""
+    return [name for name in WEIGHTS if os.path.isfile(os.path.join(path, name))]
+
+
 def check_model_sources(args):
     """Check the config, weights, tokenizer and hub flags before training; returns where the config comes from."""
     config_flag, config_source = (
@@ -612,11 +619,11 @@ def check_model_sources(args):
     if (
         args.model_name_or_path
         and os.path.isdir(args.model_name_or_path)
-        and not os.path.isfile(os.path.join(args.model_name_or_path, "tf_model.h5"))
+        and not saved_weights(args.model_name_or_path)
     ):
         fail(
-            f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow weights (tf_model.h5); save them with "
-            "TFAutoModelForMaskedLM.save_pretrained, or leave the flag out to start from a fresh initialisation"
+            f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow or PyTorch weights ({', '.join(WEIGHTS)}"
+            "); save them with save_pretrained, or leave the flag out to start from a fresh initialisation"
         )
     if args.hub_model_id and not hub_reachable():
         fail(
@@ -720,7 +727,10 @@ def create_model(args, config, strategy, total_train_steps, warmup_steps):
     with strategy.scope():
         if args.model_name_or_path:
             try:
-                model = TFAutoModelForMaskedLM.from_pretrained(args.model_name_or_path, config=config)
+                # PyTorch's weights only by from_pt: transformers 4.57 fails on PyTorch's model.safetensors without it
+                # (TypeError: 'builtins.safe_open' object is not iterable)
+                from_pt = "tf_model.h5" not in saved_weights(args.model_name_or_path)
+                model = TFAutoModelForMaskedLM.from_pretrained(args.model_name_or_path, config=config, from_pt=from_pt)
             except (OSError, ValueError) as e:
                 fail(
                     f"--model_name_or_path {args.model_name_or_path}: cannot load the weights: {str(e).splitlines()[0]}"

@@ -615,7 +615,7 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
         (
             tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "d", "--model_name_or_path", str(tiny_model_dir)),
-            "holds no TensorFlow weights",
+            "holds no TensorFlow or PyTorch weights",
         ),
     )
 

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -250,18 +251,20 @@ def test_fill_mask_returns_k_scored_predictions(mirrored):
     assert all(p["token"] and p["token"] not in ("[MASK]", "<pad>") for p in predictions)
 
 
-def test_fill_mask_reads_a_folder_of_pytorch_weights(prepared, tmp_path, capsys):
-    """A folder holding only pytorch_model.bin (PyTorch's older format, still the hub's for many models): fill_mask.py
-    loads it into TensorFlow, and its scores are the PyTorch model's probabilities."""
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_pytorch_weights_load_into_fill_mask_and_run_mlm(weights, prepared, tmp_path, capsys):
+    """A folder holding only PyTorch's weights (model.safetensors, as pytorch/run_mlm.py saves them, or the older
+    pytorch_model.bin, still the hub's for many models): fill_mask.py's scores are the PyTorch model's probabilities,
+    and run_mlm.py's --model_name_or_path starts from the PyTorch model's logits."""
     import torch
     from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     torch.manual_seed(0)
     model = AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(str(prepared / "config"))).eval()
-    model.save_pretrained(tmp_path, safe_serialization=False)
+    model.save_pretrained(tmp_path, safe_serialization=weights == "model.safetensors")
     tokenizer.save_pretrained(tmp_path)
-    assert (tmp_path / "pytorch_model.bin").is_file() and not list(tmp_path.glob("*.safetensors"))
+    assert [p.name for p in tmp_path.glob("*.[bs]*") if "token" not in p.name] == [weights]
     text = "the company said its [MASK] rose"
     fill_mask = load_script("tensorflow/fill_mask.py", "tf_fill_mask")
     fill_mask.main(["--model_dir", str(tmp_path), "--top_k", "3", "--json", text])
@@ -273,6 +276,17 @@ def test_fill_mask_reads_a_folder_of_pytorch_weights(prepared, tmp_path, capsys)
     for p in predictions:  # two frameworks' float32 kernels: logits within about 1e-6, so probabilities within 1e-5
         assert p["score"] == pytest.approx(float(probabilities[tokenizer.convert_tokens_to_ids(p["token"])]), rel=1e-5)
         assert p["score"] >= third * (1 - 1e-5)  # the top 3, whatever the order of near-ties
+    import tensorflow as tf
+
+    run_mlm = load_script("tensorflow/run_mlm.py", "tf_run_mlm_weights")
+    args = SimpleNamespace(
+        model_name_or_path=str(tmp_path), learning_rate=1e-3, weight_decay_rate=0.0, jit_compile=False
+    )
+    tf_model, _ = run_mlm.create_model(args, model.config, tf.distribute.get_strategy(), 10, 1)
+    with torch.no_grad():
+        expected = model(ids).logits.numpy()
+    # the same float32 model in two frameworks' kernels: logits agree to about 1e-6 of their scale
+    np.testing.assert_allclose(tf_model(ids.numpy()).logits.numpy(), expected, atol=1e-5 * np.abs(expected).max())
 
 
 def test_one_device_with_jit_compile(prepared):
