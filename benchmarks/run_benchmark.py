@@ -34,6 +34,11 @@ in this run, peak RSS, and the train loss after the common number of steps. Also
 grouping throughput (linear-time group_texts vs upstream's sum(lists, [])), and run_bert_flax.py fp32
 vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}, with the CPU model and its bf16 support.
 
+On a GPU (nvidia-smi lists one) the modes are GPU_MODES (`--modes gpu` names them anywhere): Flax fp32, ours
+--dtype bfloat16 and upstream's (the model's dtype), PyTorch fp32, bf16 autocast and torch.compile bf16; MFU is taken
+against NVIDIA's published dense peak for the precision the row's products ran in (JAX's f32 products run in TF32
+there, torch's in f32), and each row gives its peak device memory. benchmarks/gpu.sh runs it on a GPU machine.
+
 On a CPU without bf16 instructions (AVX2 only, say) bf16 is computed in f32 or emulated, no faster than fp32 and in
 PyTorch many times slower: the bf16 modes and the bf16 inference line are skipped, with the reason in their rows,
 unless --modes names a bf16 mode (then they run, after a warning). LM_CPU_BF16=1 or 0 overrides what the CPU's flags say.
@@ -89,16 +94,30 @@ SIZES = {
 MODES = {
     "flax": ("flax", "fp32", "jax.jit, donated state, LM head at masked positions"),
     "flax_bf16": ("flax", "bf16", "as flax, dense layers bf16 x bf16 -> f32 (f32 model)"),
+    "flax_model_bf16": ("flax", "bf16", "as flax, the model's dtype bfloat16 (upstream's --dtype bfloat16)"),
     "flax_fsdp": ("flax", "fp32", "as flax, --fsdp full_shard over fake CPU devices"),
     "torch": ("pytorch", "fp32", "eager"),
     "torch_bf16": ("pytorch", "bf16", "eager, CPU autocast bfloat16"),
     "torch_compile": ("pytorch", "fp32", "torch.compile (inductor)"),
+    "torch_compile_bf16": ("pytorch", "bf16", "torch.compile (inductor), autocast bfloat16"),
     "torch_xla": ("pytorch/xla", "fp32", "XLA:CPU, own venv"),
     "tf": ("tensorflow", "fp32", "tf.function"),
     "tf_xla": ("tensorflow", "fp32", "tf.function(jit_compile=True)"),
     "tf_bf16": ("tensorflow", "bf16", "mixed_bfloat16"),
 }
-DEFAULT_MODES = [m for m in MODES if m != "flax_fsdp"]
+DEFAULT_MODES = [m for m in MODES if m not in ("flax_fsdp", "flax_model_bf16", "torch_compile_bf16")]
+# On a GPU (the default there; `--modes gpu` anywhere): no TensorFlow on the GPU machines we are lent, and no CPU-only
+# modes; upstream's bf16 (the model's dtype) as a reference row beside ours.
+GPU_MODES = ["flax", "flax_bf16", "flax_model_bf16", "torch", "torch_bf16", "torch_compile_bf16"]
+# Published dense peaks, TFLOP/s, by the products' precision: NVIDIA's datasheets (SXM parts unless named). The first
+# name found in the GPU's name wins; a GPU not listed is measured against this run's matrix-product peak.
+GPU_PEAKS = {
+    "H200 NVL": {"bf16": 835.5, "tf32": 417.5, "fp32": 60.3},
+    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
 LEARNING_RATE, WEIGHT_DECAY, BETAS, EPS = 5e-4, 0.01, (0.9, 0.999), 1e-8
 MLM_PROBABILITY = 0.15
 
@@ -216,9 +235,14 @@ def worker_flax(spec, batches):
 
     mlm = load_script("flax/run_mlm_flax.py")
     mlm.release_compiler_memory()
-    bf16 = spec["precision"] == "bf16"  # run_mlm_flax.py --dtype bfloat16: an f32 model with bf16 dense products
+    # run_mlm_flax.py --dtype bfloat16: an f32 model with bf16 dense products; flax_model_bf16: upstream's meaning of
+    # the flag, the model's dtype (bf16 activations and products, f32 weights)
+    bf16 = spec["mode"] == "flax_bf16"
+    dtype = jnp.bfloat16 if spec["mode"] == "flax_model_bf16" else jnp.float32
     # _do_init=False: the model object keeps no copy of the weights beside the train state's.
-    model, params = FlaxAutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "flax"), _do_init=False)
+    model, params = FlaxAutoModelForMaskedLM.from_pretrained(
+        os.path.join(spec["init_dir"], "flax"), _do_init=False, dtype=dtype
+    )
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
     schedule = mlm.create_learning_rate_fn(total, warmup, LEARNING_RATE)
@@ -266,13 +290,23 @@ def worker_flax(spec, batches):
 
         extra = {"devices": 1}
     times, losses = timed_loop(run, batches)
+    device = jax.devices()[0]
+    gpu = device.platform == "gpu"
     return dict(
         times=times,
         losses=losses,
         num_params=num_params,
-        versions={"jax": jax.__version__, "flax": __import__("flax").__version__},
+        versions={"jax": jax.__version__, "flax": __import__("flax").__version__, **backend_version(device)},
+        # XLA:GPU computes an f32 product in TF32 at jax's default precision
+        products="bf16" if spec["precision"] == "bf16" else "tf32" if gpu else "fp32",
+        device_peak_mb=(device.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**20 or None,
         **extra,
     )
+
+
+def backend_version(device):
+    """{"CUDA (jax)": ...} on a GPU: the version XLA's GPU client reports."""
+    return {"CUDA (jax)": device.client.platform_version} if device.platform == "gpu" else {}
 
 
 def worker_torch(spec, batches):
@@ -286,7 +320,7 @@ def worker_torch(spec, batches):
 
         device = torch_xla.device()
     else:
-        device = torch.device("cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = AutoModelForMaskedLM.from_pretrained(os.path.join(spec["init_dir"], "pytorch")).to(device).train()
     total = batches["input_ids"].shape[0]
     warmup, _ = learning_rates(total)
@@ -302,13 +336,13 @@ def worker_torch(spec, batches):
         lr_scheduler_type="linear",
         optim="adamw_torch",
         report_to="none",
-        use_cpu=not xla,
+        use_cpu=device.type == "cpu",
     )
     trainer = Trainer(model=model, args=args)
     trainer.create_optimizer_and_scheduler(num_training_steps=total)
     optimizer, scheduler = trainer.optimizer, trainer.lr_scheduler
-    forward = torch.compile(model) if spec["mode"] == "torch_compile" else model
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
+    forward = torch.compile(model) if spec["mode"].startswith("torch_compile") else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
 
     def run(batch):
         batch = {k: torch.from_numpy(v).long().to(device) for k, v in batch.items()}
@@ -329,14 +363,17 @@ def worker_torch(spec, batches):
     versions = (
         {"torch (.venv-xla)": torch.__version__, "torch_xla": torch_xla.__version__}
         if xla
-        else {"torch": torch.__version__}
+        else {"torch": torch.__version__, **({"CUDA (torch)": torch.version.cuda} if device.type == "cuda" else {})}
     )
+    tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32  # off by default: f32 products in f32
     return dict(
         times=times,
         losses=losses,
         num_params=int(sum(p.numel() for p in model.parameters())),
         versions=versions,
         threads=torch.get_num_threads(),
+        products="bf16" if spec["precision"] == "bf16" else "tf32" if tf32 else "fp32",
+        device_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
     )
 
 
@@ -397,8 +434,10 @@ def matmul_worker(spec):
             import torch
 
             dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-            x, y = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
-            call = lambda x=x, y=y: torch.mm(x, y)  # noqa: E731
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            x, y = torch.from_numpy(a).to(device, dtype), torch.from_numpy(b).to(device, dtype)
+            sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+            call = lambda x=x, y=y, sync=sync: (torch.mm(x, y), sync())  # noqa: E731
         elif framework == "jax":
             import jax
             import jax.numpy as jnp
@@ -426,20 +465,19 @@ def matmul_worker(spec):
 
 
 def init_worker(spec):
-    """The shared initial weights: a PyTorch RoBERTa from the config with seed 0, also saved in Flax's and
-    TF's formats, so each training worker loads its own format and imports no other framework."""
+    """The shared initial weights: a PyTorch RoBERTa from the config with seed 0, also saved in Flax's and (where a
+    mode needs it) TF's formats, so each training worker loads its own format and imports no other framework."""
     import torch
-    from transformers import AutoConfig, AutoModelForMaskedLM, FlaxAutoModelForMaskedLM, TFAutoModelForMaskedLM
+    import transformers
 
     torch.manual_seed(0)
     pt_dir = os.path.join(spec["init_dir"], "pytorch")
-    AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(spec["config_dir"])).save_pretrained(pt_dir)
-    FlaxAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(
-        os.path.join(spec["init_dir"], "flax")
-    )
-    TFAutoModelForMaskedLM.from_pretrained(pt_dir, from_pt=True).save_pretrained(
-        os.path.join(spec["init_dir"], "tensorflow")
-    )
+    config = transformers.AutoConfig.from_pretrained(spec["config_dir"])
+    transformers.AutoModelForMaskedLM.from_config(config).save_pretrained(pt_dir)
+    for framework, auto in (("flax", "FlaxAutoModelForMaskedLM"), ("tensorflow", "TFAutoModelForMaskedLM")):
+        if framework in spec["frameworks"]:
+            model = getattr(transformers, auto).from_pretrained(pt_dir, from_pt=True)
+            model.save_pretrained(os.path.join(spec["init_dir"], framework))
     return {}
 
 
@@ -617,7 +655,20 @@ def prepare_data(work, args, size, bar):
     return config_dir, batches_path, preprocessing
 
 
-def machine_info():
+def gpu_info():
+    """The machine's first NVIDIA GPU by nvidia-smi ({name, driver, memory, count}), or None."""
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if not lines:
+        return None
+    name, driver, memory = (field.strip() for field in lines[0].split(","))
+    return {"name": name, "driver": driver, "memory": memory, "count": len(lines)}
+
+
+def machine_info(gpu):
     cpu, bf16 = cpu_bf16()
     return {
         "cpu": cpu,
@@ -625,7 +676,21 @@ def machine_info():
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "gpu": gpu,
     }
+
+
+def hardware(machine):
+    """The machine in words, for titles: the GPU (with its host) or the CPU."""
+    cpu = f"{machine['cpu']} (bf16: {machine['bf16']}), {machine['cores']} cores"
+    gpu = machine.get("gpu")
+    return f"{gpu['name']} (driver {gpu['driver']}, {gpu['memory']}); host: {cpu}" if gpu else cpu
+
+
+def gpu_peaks(gpu):
+    """The GPU's published dense peaks in GFLOP/s by precision ({} for a GPU not in GPU_PEAKS, or none)."""
+    name = next((n for n in GPU_PEAKS if gpu and n in gpu["name"]), None)
+    return {k: 1000 * v for k, v in GPU_PEAKS[name].items()} if name else {}
 
 
 def rounds(modes, repeats):
@@ -637,14 +702,14 @@ def summarize(name, results, flops, peaks, warmup_steps, size):
     """One mode's row from its repeats: the median over repeats of each repeat's median step, with the range."""
     framework, precision, what = MODES[name]
     row = {"mode": name, "framework": framework, "precision": precision, "what": what}
-    peak, bf16_peak = (
-        peaks.get(precision, peaks["fp32"]),
-        peaks.get("bf16", peaks["fp32"]),
-    )  # no bf16 peak: bf16 runs in f32
     failed = next((r for r in results if "error" in r or "skipped" in r), None)
     if failed is not None:
         return {**row, **failed}
+    # against the peak of the precision the products ran in (no bf16 peak: bf16 runs in f32)
+    peak = peaks.get(results[0].get("products", precision)) or peaks.get(precision, peaks["fp32"])
+    bf16_peak = peaks.get("bf16", peaks["fp32"])
     by_repeat = [1000 * float(np.median(r["times"][warmup_steps:])) for r in results]
+    timed = 1000 * np.concatenate([r["times"][warmup_steps:] for r in results])
     step_s = float(np.median(by_repeat)) / 1000
     achieved = flops / step_s / 1e9
     row.update({k: v for k, v in results[0].items() if k != "times"})
@@ -655,7 +720,10 @@ def summarize(name, results, flops, peaks, warmup_steps, size):
         first_step_s=float(np.median([r["times"][0] for r in results])),
         step_ms=1000 * step_s,
         step_ms_range=[min(by_repeat), max(by_repeat)],
+        step_ms_quartiles=[float(np.percentile(timed, 25)), float(np.percentile(timed, 75))],
+        timed_steps=len(timed),
         peak_rss_mb=max(r["peak_rss_mb"] for r in results),
+        device_peak_mb=max(r.get("device_peak_mb") or 0 for r in results) or None,
         tokens_per_s=size["batch_size"] * size["seq_len"] / step_s,
         gflops=achieved,
         mfu=achieved / peak,
@@ -691,40 +759,60 @@ def modes_table(report):
     lines = [
         f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
         "",
-        f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}; "
+        f"{hardware(report['machine'])}; {report['date']}; "
         + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items()))
         + ".",
         f"Command: `{report['command']}`."
         + (f" Flax modes ran with XLA_FLAGS=`{report['xla_flags']}`." if report["xla_flags"] else "")
         + f" {w['steps']} steps per mode, the first {w['warmup_steps']} untimed; step time is the "
         f"median of the other {w['steps'] - w['warmup_steps']}. Model FLOPs per step: {w['flops_per_step'] / 1e9:.1f} GFLOP. "
-        f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
-        f"{report['matmul']['peak']['fp32']:.0f} GFLOP/s, bf16 "
-        + (
-            f"{report['matmul']['peak']['bf16']:.0f} GFLOP/s."
-            if "bf16" in report["matmul"]["peak"]
-            else "not measured (no bf16 instructions: bf16 modes are measured against the fp32 peak)."
-        ),
+        + peaks_sentence(report),
         "",
-        f"Every mode ran {w['repeats']} time{'s' * (w['repeats'] != 1)}, interleaved (A B C A B C ...); step (ms) is the median over the repeats, with their range.",
+        f"Every mode ran {w['repeats']} time{'s' * (w['repeats'] != 1)}, interleaved (A B C A B C ...); step (ms) is the "
+        "median over the repeats, with their range, then the quartiles of all timed steps [25 %-75 %]. Peak device "
+        "memory: JAX's peak_bytes_in_use, torch's max_memory_allocated (GPU only).",
         "",
-        "| mode | precision | how | first step (s) | step (ms), median (min-max) | tokens/s | GFLOP/s | MFU | MFU vs bf16 peak | peak RSS (MB) | loss after last step |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | precision | how | first step (s) | step (ms), median (min-max) [quartiles] | tokens/s | GFLOP/s | MFU "
+        "| MFU vs bf16 peak | peak RSS (MB) | peak device memory (MB) | loss after last step |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "step_ms" in r:
+            products = f" ({r['products']} products)" if r.get("products", r["precision"]) != r["precision"] else ""
+            device = f"{r['device_peak_mb']:,.0f}" if r.get("device_peak_mb") else "-"
             lines.append(
-                f"| {r['mode']} | {r['precision']} | {r['what']} | {r['first_step_s']:.2f} | "
-                f"{r['step_ms']:,.1f} ({r['step_ms_range'][0]:,.1f}-{r['step_ms_range'][1]:,.1f}) | "
+                f"| {r['mode']} | {r['precision']}{products} | {r['what']} | {r['first_step_s']:.2f} | "
+                f"{r['step_ms']:,.1f} ({r['step_ms_range'][0]:,.1f}-{r['step_ms_range'][1]:,.1f}) "
+                f"[{r['step_ms_quartiles'][0]:,.1f}-{r['step_ms_quartiles'][1]:,.1f}] | "
                 f"{r['tokens_per_s']:,.0f} | {r['gflops']:.1f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_vs_bf16_peak']:.1f} % | "
-                f"{r['peak_rss_mb']:,.0f} | {r['final_loss']:.4f} |"
+                f"{r['peak_rss_mb']:,.0f} | {device} | {r['final_loss']:.4f} |"
             )
         else:
             lines.append(
                 f"| {r['mode']} | {r['precision']} | {r['what']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |"
-                + " |" * 7
+                + " |" * 8
             )
     return lines
+
+
+def peaks_sentence(report):
+    """What MFU is measured against: the GPU's published peaks, or the matrix-product peak measured in this run."""
+    peak, published = report["matmul"]["peak"], report["matmul"].get("published")
+    if published:
+        return (
+            "MFU against the GPU's published dense peak for the precision of the row's products: "
+            + ", ".join(f"{k} {v / 1000:.1f} TFLOP/s" for k, v in published.items())
+            + "."
+        )
+    return (
+        f"Matrix-multiply peak measured in this run ({report['matmul']['n']}², best framework): fp32 "
+        f"{peak['fp32']:.0f} GFLOP/s, bf16 "
+        + (
+            f"{peak['bf16']:.0f} GFLOP/s."
+            if "bf16" in peak
+            else "not measured (no bf16 instructions: bf16 modes are measured against the fp32 peak)."
+        )
+    )
 
 
 def other_tables(report):
@@ -808,19 +896,34 @@ def plot_modes(plt, out, report):
         ax.tick_params(axis="x", rotation=45)
         for label in ax.get_xticklabels():
             label.set_ha("right")
-    fig.suptitle(f"RoBERTa {w['size']} MLM, batch {w['batch_size']} x {w['seq_len']}, {report['machine']['cpu']}")
+    fig.suptitle(f"RoBERTa {w['size']} MLM, batch {w['batch_size']} x {w['seq_len']}, {hardware(report['machine'])}")
     fig.tight_layout()
     fig.savefig(out / "results.png", dpi=100)
     plt.close(fig)
 
 
+MEMORY = {"device_peak_mb": "peak device memory", "peak_rss_mb": "peak RSS"}
+
+
 def goals(rows, peaks, machine):
     ok = {r["mode"]: r for r in rows if "step_ms" in r}
+    gpu = machine.get("gpu")
     out = [
-        f"These ratios hold for this CPU class ({machine['cpu']}, bf16: {machine['bf16']}) and the {len(ok)} modes that ran "
+        f"These ratios hold for this GPU ({gpu['name']}, driver {gpu['driver']}) and the {len(ok)} modes that ran "
+        f"({', '.join(ok) or 'none'})"
+        if gpu
+        else f"These ratios hold for this CPU class ({machine['cpu']}, bf16: {machine['bf16']}) and the {len(ok)} modes that ran "
         f"({', '.join(ok) or 'none'}); CPUs with other bf16 support give other ratios."
     ]
     peak_name = "bf16" if "bf16" in peaks else "fp32"
+    ours, upstream = ok.get("flax_bf16"), ok.get("flax_model_bf16")
+    if ours and upstream:
+        memory = "device_peak_mb" if gpu else "peak_rss_mb"
+        out.append(
+            f"Our --dtype bfloat16 (flax_bf16) vs upstream's meaning, the model's dtype (flax_model_bf16): step "
+            f"{per_round(ours, upstream)}, {MEMORY[memory]} {ours[memory]:,.0f} / {upstream[memory]:,.0f} MB "
+            "(goal: no slower, no larger: <= 1.0x both)"
+        )
     flax_best = min((r for r in ok.values() if r["framework"] == "flax"), key=lambda r: r["step_ms"], default=None)
     others = [r for r in ok.values() if r["framework"] != "flax"]
     if flax_best and others:
@@ -832,15 +935,21 @@ def goals(rows, peaks, machine):
             "[min-max] (goal >= 1.0x)" + (f"; each other mode: {each}" if len(others) > 1 else "")
         )
         out.append(
-            f"Flax ({flax_best['mode']}) vs the {peak_name} matmul peak ({peaks[peak_name]:.0f} GFLOP/s): "
-            f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= 60 %)"
+            f"Flax ({flax_best['mode']}) vs the {peak_name} "
+            + (
+                f"published peak ({peaks[peak_name] / 1000:.1f} TFLOP/s): "
+                if gpu
+                else f"matmul peak ({peaks[peak_name]:.0f} GFLOP/s): "
+            )
+            + f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= {50 if gpu else 60} %)"
         )
         torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
         if torch_modes:
             torch_fastest = min(torch_modes, key=lambda r: r["step_ms"])
+            memory = "device_peak_mb" if gpu else "peak_rss_mb"
             out.append(
-                f"Flax peak RSS vs PyTorch's fastest mode ({torch_fastest['mode']}): {flax_best['peak_rss_mb']:,.0f} / "
-                f"{torch_fastest['peak_rss_mb']:,.0f} MB = {flax_best['peak_rss_mb'] / torch_fastest['peak_rss_mb']:.2f}x (goal <= 1.0x)"
+                f"Flax {MEMORY[memory]} vs PyTorch's fastest mode ({torch_fastest['mode']}): {flax_best[memory]:,.0f} / "
+                f"{torch_fastest[memory]:,.0f} MB = {flax_best[memory] / torch_fastest[memory]:.2f}x (goal <= 1.0x)"
             )
     reference = ok.get("torch") or ok.get("flax")
     if reference:
@@ -1141,7 +1250,7 @@ def run_end_to_end(args, out, work, size, argv):
     config = json.loads((config_dir / "config.json").read_text())
     report = {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "machine": machine_info(),
+        "machine": machine_info(args.gpu),
         "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "workload": {
             "size": args.size,
@@ -1165,6 +1274,9 @@ def build_parser():
     """The command line: the benchmark's flags, and --worker for its own subprocesses."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", help="Where results.{md,json,png} (and a work/ cache) go.")
+    parser.add_argument(
+        "--work_dir", help="The cache of corpus, tokenizer, batches and weights (default OUTPUT_DIR/work)."
+    )
     parser.add_argument(
         "--size",
         choices=sorted(SIZES),
@@ -1241,11 +1353,10 @@ def resolve_args(args):
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
     args.preprocess_lines = args.preprocess_lines or (5000 if args.quick else 10**9)
     known = E2E_MODES if args.end_to_end else MODES
-    modes = (
-        [m.strip() for m in args.modes.split(",") if m.strip()]
-        if args.modes
-        else list(E2E_MODES if args.end_to_end else DEFAULT_MODES)
-    )
+    defaults = list(E2E_MODES) if args.end_to_end else GPU_MODES if args.gpu else DEFAULT_MODES
+    if args.modes == "gpu" and not args.end_to_end:
+        args.modes = ",".join(GPU_MODES)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else defaults
     unknown = [m for m in modes if m not in known]
     if unknown:
         fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -1257,13 +1368,15 @@ def resolve_args(args):
     size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
     if "flax_fsdp" in modes and size["batch_size"] % args.flax_devices:
         fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
-    args.skipped = slow_bf16(modes, {m: known[m][1] for m in modes}, named=args.modes is not None)
+    named = args.modes is not None
+    args.skipped = {} if args.gpu else slow_bf16(modes, {m: known[m][1] for m in modes}, named=named)
     return modes, size
 
 
 def measure_matmul(args, frameworks, native_bf16, work, bar):
-    """The matrix-multiply GFLOP/s of every framework and the peak per precision: the report's "matmul"."""
-    n = 1024 if args.quick else 4096
+    """The matrix-multiply GFLOP/s of every framework and the peak per precision, and on a GPU the published peaks
+    (what MFU is taken against there): the report's "matmul"."""
+    n = 1024 if args.quick else 8192 if args.gpu else 4096
     matmul = {}
     for fw in frameworks:
         bar.set_postfix_str(f"matmul {fw}")
@@ -1287,13 +1400,15 @@ def measure_matmul(args, frameworks, native_bf16, work, bar):
             + "; ".join(f"{fw}: {v.get('error')}" for fw, v in matmul.items())
         )
     peaks = {p: max(v[p] for v in measured) for p in ("fp32", "bf16") if all(p in v for v in measured)}
-    return {"n": n, "frameworks": matmul, "peak": peaks}
+    return {"n": n, "frameworks": matmul, "peak": peaks, "published": gpu_peaks(args.gpu)}
 
 
-def make_initial_weights(config_dir, init_dir, work, bar):
-    """The initial weights every mode starts from, in each framework's format, in init_dir."""
+def make_initial_weights(config_dir, init_dir, frameworks, work, bar):
+    """The initial weights every mode starts from, in each framework's format, in init_dir: drawn and converted on
+    the host's CPU (XLA:GPU compiles a model's initialisation slowly)."""
     bar.set_postfix_str("initial weights")
-    res = run_worker({"kind": "init", "config_dir": str(config_dir), "init_dir": str(init_dir)}, work)
+    spec = {"kind": "init", "config_dir": str(config_dir), "init_dir": str(init_dir), "frameworks": frameworks}
+    res = run_worker(spec, work, env={"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     if "error" in res:
         fail(f"creating the initial weights failed: {res['error']}")
     bar.update(1)
@@ -1328,6 +1443,14 @@ def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
             result = run_worker(spec, work, env={"XLA_FLAGS": flags.strip()} if MODES[name][0] == "flax" else None)
         versions.update(result.get("versions", {}))
         results[name].append(result)
+        bar.write(
+            f"{name}: "
+            + (
+                f"median step {1000 * np.median(result['times'][args.warmup_steps :]):,.1f} ms, loss {result['losses'][-1]:.4f}"
+                if "times" in result
+                else result.get("skipped") or f"failed: {result['error']}"
+            )
+        )
         bar.update(1)
     return results, versions
 
@@ -1397,7 +1520,7 @@ def build_report(args, argv, modes, size, config, flops, matmul, preprocessing, 
     report = {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "command": "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": machine_info(),
+        "machine": machine_info(args.gpu),
         "versions": versions,
         "xla_flags": args.xla_flags,
         "schedule": rounds(modes, args.repeats),
@@ -1419,7 +1542,7 @@ def build_report(args, argv, modes, size, config, flops, matmul, preprocessing, 
         "inference": inference,
         "runtime_s": time.perf_counter() - started,
     }
-    report["goals"] = goals(rows, matmul["peak"], report["machine"])
+    report["goals"] = goals(rows, matmul["published"] or matmul["peak"], report["machine"])
     return report
 
 
@@ -1429,10 +1552,11 @@ def main(argv=None):
         return worker_main(args.worker)
     if not args.output_dir:
         fail("--output_dir is required")
+    args.gpu = gpu_info()
     modes, size = resolve_args(args)
-    native_bf16 = not cpu_bf16()[1].startswith("none")
+    native_bf16 = bool(args.gpu) or not cpu_bf16()[1].startswith("none")
     out = Path(args.output_dir)
-    work = out / "work"
+    work = Path(args.work_dir) if args.work_dir else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     if args.end_to_end:
         args.modes_e2e, args.eval_steps = modes, args.eval_steps or max(args.steps // 4, 1)
@@ -1440,7 +1564,12 @@ def main(argv=None):
 
     from tqdm import tqdm
 
-    frameworks = ("torch", "jax", "tensorflow")
+    # the matrix product in each framework the modes use (PyTorch/XLA's is not timed)
+    frameworks = [
+        fw
+        for fw in ("torch", "jax", "tensorflow")
+        if any(MODES[m][0] == {"torch": "pytorch", "jax": "flax"}.get(fw, fw) for m in modes)
+    ]
     total = 2 + len(frameworks) + 1 + len(modes) * args.repeats + (0 if args.no_inference else 2)
     bar = tqdm(total=total, desc="benchmark", unit="task")
     started = time.perf_counter()
@@ -1448,11 +1577,12 @@ def main(argv=None):
     config_dir, batches_path, preprocessing = prepare_data(work, args, size, bar)
     matmul = measure_matmul(args, frameworks, native_bf16, work, bar)
     init_dir = work / f"init-{args.size}"
-    make_initial_weights(config_dir, init_dir, work, bar)
+    make_initial_weights(config_dir, init_dir, sorted({MODES[m][0] for m in modes}), work, bar)
     config = json.loads((config_dir / "config.json").read_text())
     flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
     results, versions = train_modes(args, modes, config_dir, init_dir, batches_path, work, bar)
-    rows = [summarize(name, results[name], flops, matmul["peak"], args.warmup_steps, size) for name in modes]
+    peaks = matmul["published"] or matmul["peak"]
+    rows = [summarize(name, results[name], flops, peaks, args.warmup_steps, size) for name in modes]
     inference = {} if args.no_inference else run_inference(args, modes, native_bf16, work, bar)
     bar.close()
     report = build_report(

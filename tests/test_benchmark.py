@@ -161,6 +161,80 @@ def test_every_framework_did_the_same_work(quick):
     assert first["losses"][-1] < first["losses"][0]
 
 
+@pytest.fixture(scope="module")
+def gpu_modes(tmp_path_factory):
+    """`--modes gpu`, the command benchmarks/gpu.sh runs on a GPU, here on the CPU with the tiny model."""
+    out = tmp_path_factory.mktemp("bench-gpu")
+    args = ["--modes", "gpu", "--quick", "--repeats", "1", "--steps", "3", "--warmup_steps", "1", "--no_inference"]
+    check_ok(run(["benchmarks/run_benchmark.py", *args, *BENCHMARK_BATCH, "--output_dir", str(out)], timeout=1800))
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_the_gpu_modes_run_here_on_the_same_work_and_bf16_takes_effect(gpu_modes, bench):
+    """Every GPU mode ran from the same weights on the same batches; no TensorFlow is needed (the GPU machines have
+    none): no TF weights, no TF matrix product. Each bf16 mode's first loss differs from its framework's fp32 one
+    (a mode that ignored bf16 would run fp32's program and give its loss bit for bit), yet by rounding only."""
+    out, report = gpu_modes
+    rows = {r["mode"]: r for r in report["modes"]}
+    assert list(rows) == bench.GPU_MODES and all("step_ms" in r for r in rows.values()), rows
+    assert len({(r["data_sha256"], r["num_params"]) for r in rows.values()}) == 1
+    assert set(report["matmul"]["frameworks"]) == {"torch", "jax"} and report["matmul"]["published"] == {}
+    assert sorted(p.name for p in (out / "work" / "init-tiny").iterdir()) == ["flax", "pytorch"]
+    for mode, fp32 in (("flax_bf16", "flax"), ("flax_model_bf16", "flax"), ("torch_bf16", "torch")):
+        first, reference = rows[mode]["losses"][0], rows[fp32]["losses"][0]
+        # bf16 operands: 2**-9 relative each, summed over a loss of about 9 (the existing 2e-3 between frameworks)
+        assert first != reference and first == pytest.approx(reference, abs=2e-3), mode
+    assert rows["torch_compile_bf16"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-3)
+    assert rows["flax"]["products"] == "fp32" and rows["flax_model_bf16"]["products"] == "bf16"
+    assert any(g.startswith("Our --dtype bfloat16 (flax_bf16) vs upstream's meaning") for g in report["goals"])
+
+
+def test_a_gpu_row_is_measured_against_the_published_peak_of_its_products(bench):
+    """On a GPU, MFU is taken against NVIDIA's published dense peak for the precision the products ran in (JAX's
+    f32 products run in TF32 there), the table names it and the device's peak memory, and the goals speak of the GPU."""
+    gpu = {"name": "NVIDIA H200", "driver": "580.159.04", "memory": "143771 MiB", "count": 1}
+    peaks = bench.gpu_peaks(gpu)
+    assert peaks == {"bf16": 989_400.0, "tf32": 494_700.0, "fp32": 66_900.0}
+    assert bench.gpu_peaks({**gpu, "name": "NVIDIA H200 NVL"})["bf16"] == 835_500.0
+    assert bench.gpu_peaks({**gpu, "name": "Tesla T4"}) == {} and bench.gpu_peaks(None) == {}
+    worker = {"losses": [9.0, 8.0], "peak_rss_mb": 900.0, "device_peak_mb": 20_000.0, "times": [9.0, 0.1, 0.1]}
+    size = {"batch_size": 128, "seq_len": 128}
+    rows = [
+        bench.summarize(mode, [{**worker, "products": products}], 49_470e9, peaks, 1, size)
+        for mode, products in (("flax", "tf32"), ("torch", "fp32"), ("flax_bf16", "bf16"))
+    ]
+    assert [round(r["mfu"], 3) for r in rows] == [1.0, round(494.7 / 66.9, 3), 0.5]
+    machine = {**bench.machine_info(gpu), "cpu": "Some CPU", "bf16": "none", "cores": 16}
+    assert (
+        bench.hardware(machine) == "NVIDIA H200 (driver 580.159.04, 143771 MiB); host: Some CPU (bf16: none), 16 cores"
+    )
+    report = {
+        "machine": machine,
+        "workload": {
+            "size": "base",
+            "num_params": 125e6,
+            **size,
+            "steps": 3,
+            "warmup_steps": 1,
+            "repeats": 1,
+            "flops_per_step": 49_470e9,
+        },
+        "date": "today",
+        "versions": {},
+        "command": "c",
+        "xla_flags": "",
+        "modes": rows,
+        "matmul": {"n": 8192, "peak": {"fp32": 1.0}, "published": peaks},
+    }
+    table = "\n".join(bench.modes_table(report))
+    assert "| flax | fp32 (tf32 products) |" in table and "| 20,000 | 8.0000 |" in table
+    assert "published dense peak" in table and "bf16 989.4 TFLOP/s" in table
+    goals = bench.goals(rows, peaks, machine)
+    assert goals[0].startswith("These ratios hold for this GPU (NVIDIA H200, driver 580.159.04)")
+    assert any("bf16 published peak (989.4 TFLOP/s): 50.0 % (goal >= 50 %)" in g for g in goals)
+    assert any(g.startswith("Flax peak device memory vs PyTorch's fastest mode (torch)") for g in goals)
+
+
 def test_repeats_are_interleaved_with_their_spread(bench):
     """--repeats 2: every mode runs twice, round-robin (A B C A B C), and its row gives the median over repeats of
     each repeat's median step, with the range, per-round ratios and the table's "median (min-max)"."""
