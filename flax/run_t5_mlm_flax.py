@@ -181,8 +181,9 @@ class DataArguments:
 # Texts are packed into blocks of the "expanded" length that gives exactly --max_seq_length input tokens after
 # corruption; in each block --mlm_probability of the tokens (the noise density) are chosen as random spans of mean
 # length --mean_noise_span_length; each span becomes one sentinel in the input, and the target lists the spans
-# behind their sentinels (ids counting down from len(tokenizer) - 1); EOS ends both; decoder inputs are the
-# targets shifted right.
+# behind their sentinels (<extra_id_0>, <extra_id_1>, ... found by name, wherever the tokenizer has them); EOS ends
+# both; decoder inputs are the targets shifted right. A row's inputs and targets may be of any length: rows shorter
+# than the batch's longest are padded (labels -100, no attention), so a copy may mix objectives in one batch.
 
 MODEL_CLASS = transformers.FlaxAutoModelForSeq2SeqLM
 MODEL_TYPES = ("t5",)
@@ -215,22 +216,20 @@ def fit_objective(config, tokenizer, source):
     may add tokens here and raise config.vocab_size (a pretrained model's embeddings then grow to match)."""
     if tokenizer.eos_token_id is None:
         fail(f"tokenizer {source!r} has no EOS token, which span corruption appends")
-    if count_sentinels(tokenizer) == 0:
+    if len(find_sentinels(tokenizer)) == 0:
         fail(
-            f"tokenizer {source!r} has no <extra_id_N> sentinel tokens at the top of its vocabulary, which span corruption "
-            "writes in place of each masked span (they would overwrite real tokens); train one with tokenizers/train_tokenizer.py "
-            "--tokenizer_type unigram, which adds 100"
+            f"tokenizer {source!r} has no <extra_id_N> sentinel tokens, which span corruption writes in place of each "
+            "masked span; train one with tokenizers/train_tokenizer.py --tokenizer_type unigram, which adds 100"
         )
 
 
-def count_sentinels(tokenizer):
-    """How many sentinels the collator can use: <extra_id_0>, <extra_id_1>, ... at ids len(tokenizer) - 1, - 2, ..."""
-    count = 0
-    while (
-        count < len(tokenizer) and tokenizer.convert_ids_to_tokens(len(tokenizer) - 1 - count) == f"<extra_id_{count}>"
-    ):
-        count += 1
-    return count
+def find_sentinels(tokenizer):
+    """The ids of <extra_id_0>, <extra_id_1>, ... (as many as the tokenizer has in a row from 0), by name: tokens a
+    copy adds in fit_objective may come after them."""
+    vocabulary, ids = tokenizer.get_vocab(), []
+    while f"<extra_id_{len(ids)}>" in vocabulary:
+        ids.append(vocabulary[f"<extra_id_{len(ids)}>"])
+    return np.asarray(ids, dtype=np.int64)
 
 
 def resolve_max_seq_length(data_args, config, tokenizer):
@@ -240,18 +239,16 @@ def resolve_max_seq_length(data_args, config, tokenizer):
     if max_seq_length < 4:
         fail(f"--max_seq_length must be at least 4, got {max_seq_length}")
     try:
-        expanded_inputs_length, targets_length = compute_input_and_target_lengths(
-            max_seq_length, data_args.mlm_probability, data_args.mean_noise_span_length
-        )
+        expanded_inputs_length, targets_length = block_lengths(data_args, max_seq_length)
     except ValueError as e:
         fail(f"--max_seq_length {max_seq_length}: {e}; try a length one longer or shorter")
     spans = noise_counts(expanded_inputs_length, data_args.mlm_probability, data_args.mean_noise_span_length)[1]
-    if spans > count_sentinels(tokenizer):
+    if spans > len(find_sentinels(tokenizer)):
         fail(
             f"--max_seq_length {max_seq_length} at --mlm_probability {data_args.mlm_probability} and --mean_noise_span_length "
-            f"{data_args.mean_noise_span_length} makes {spans} noise spans per block, but the tokenizer has {count_sentinels(tokenizer)} "
-            f"<extra_id_N> sentinels (one per span); use a shorter length, longer spans, a lower density, or a tokenizer with "
-            f"at least {spans} sentinels"
+            f"{data_args.mean_noise_span_length} makes {spans} noise spans per block, but the tokenizer has "
+            f"{len(find_sentinels(tokenizer))} <extra_id_N> sentinels (one per span); use a shorter length, longer spans, "
+            f"a lower density, or a tokenizer with at least {spans} sentinels"
         )
     logger.info(
         f"inputs of {max_seq_length} tokens from blocks of {expanded_inputs_length}, targets of {targets_length}"
@@ -261,9 +258,7 @@ def resolve_max_seq_length(data_args, config, tokenizer):
 
 def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
     """Tokenize (no attention mask: every token is real) and pack into full blocks of the expanded length."""
-    expanded_inputs_length = compute_input_and_target_lengths(
-        max_seq_length, data_args.mlm_probability, data_args.mean_noise_span_length
-    )[0]
+    expanded_inputs_length = block_lengths(data_args, max_seq_length)[0]
     column_names = list(raw_datasets["train" if "train" in raw_datasets else "validation"].features)
     text_column_name = text_column(raw_datasets, data_args)
     map_kwargs = dict(num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache)
@@ -289,6 +284,15 @@ def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
     return lm_datasets
 
 
+def block_lengths(data_args, max_seq_length):
+    """(the block length cut from the text, the targets' length) for inputs of max_seq_length tokens: the one place
+    the three lengths are tied, for resolve_max_seq_length (which checks them), preprocess (which cuts blocks) and
+    build_collator (computed once: compute_input_and_target_lengths keeps its answers)."""
+    return compute_input_and_target_lengths(
+        max_seq_length, data_args.mlm_probability, data_args.mean_noise_span_length
+    )
+
+
 def noise_counts(length, noise_density, mean_noise_span_length):
     """(noise tokens, noise spans) in a block of `length` tokens, as T5's random_spans_noise_mask counts them: at
     least one noise and one non-noise token (so no span list is empty at short lengths or low densities), and at
@@ -298,6 +302,7 @@ def noise_counts(length, noise_density, mean_noise_span_length):
     return num_noise_tokens, num_noise_spans
 
 
+@functools.cache
 def compute_input_and_target_lengths(inputs_length, noise_density, mean_noise_span_length):
     """The token count to cut blocks at so that, after span corruption, the inputs have exactly
     inputs_length tokens; and the resulting targets length. As T5's random_spans_helper, with the noise
@@ -344,9 +349,10 @@ def shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id):
 @dataclass
 class FlaxDataCollatorForT5MLM:
     """T5 span corruption: blocks of expanded length become inputs of `input_length` and targets of
-    `target_length` tokens (compute_input_and_target_lengths gives both)."""
+    `target_length` tokens (block_lengths gives both); rows of other lengths are padded to the batch's longest."""
 
-    tokenizer: Any
+    sentinels: np.ndarray  # the ids of <extra_id_0>, <extra_id_1>, ... (find_sentinels)
+    eos_token_id: int
     noise_density: float
     mean_noise_span_length: float
     input_length: int
@@ -355,86 +361,74 @@ class FlaxDataCollatorForT5MLM:
     decoder_start_token_id: int
 
     def __call__(self, examples, seed, row_ids):
-        """`examples`: a dict with equal-length `input_ids` rows. Each row's spans are drawn from (*seed, row id)
-        alone, so they are the same whatever batch, device count or accumulation step the row falls in."""
-        input_ids = np.asarray(examples["input_ids"], dtype=np.int64)
-        batch_size, expanded_length = input_ids.shape
-        rngs = [np.random.default_rng([*seed, int(i)]) for i in row_ids]
-        mask_indices = np.asarray([self.random_spans_noise_mask(expanded_length, g) for g in rngs])
-        labels_mask = ~mask_indices
-        input_ids_sentinel = self.create_sentinel_ids(mask_indices.astype(np.int8))
-        labels_sentinel = self.create_sentinel_ids(labels_mask.astype(np.int8))
-        batch = {
-            "input_ids": self.filter_input_ids(input_ids, input_ids_sentinel),
-            "labels": self.filter_input_ids(input_ids, labels_sentinel),
+        """`examples`: a dict with `input_ids` rows. Each row's spans are drawn from (*seed, row id) alone, so they
+        are the same whatever batch, device count or accumulation step the row falls in."""
+        inputs, targets = [], []
+        for ids, row_id in zip(examples["input_ids"], row_ids, strict=True):
+            ids = np.asarray(ids, dtype=np.int64)
+            rng = np.random.default_rng([*seed, int(row_id)])
+            noise = random_spans_noise_mask(len(ids), self.noise_density, self.mean_noise_span_length, rng)
+            inputs.append(self.span_corrupt(ids, noise))
+            targets.append(self.span_corrupt(ids, ~noise))
+        labels = self.pad(targets, self.target_length, -100)
+        return {
+            "input_ids": self.pad(inputs, self.input_length, self.pad_token_id),
+            "attention_mask": self.pad([np.ones_like(x) for x in inputs], self.input_length, 0),
+            "labels": labels,
+            "decoder_input_ids": shift_tokens_right(labels, self.pad_token_id, self.decoder_start_token_id),
         }
-        if batch["input_ids"].shape[-1] != self.input_length:
-            raise ValueError(f"inputs are {batch['input_ids'].shape[-1]} tokens, expected {self.input_length}")
-        if batch["labels"].shape[-1] != self.target_length:
-            raise ValueError(f"targets are {batch['labels'].shape[-1]} tokens, expected {self.target_length}")
-        batch["decoder_input_ids"] = shift_tokens_right(
-            batch["labels"], self.pad_token_id, self.decoder_start_token_id
-        )
-        return {k: v.astype(np.int32) for k, v in batch.items()}
 
-    def create_sentinel_ids(self, mask_indices):
-        """Sentinel ids at span starts (counting down from len(tokenizer) - 1), -1 at the rest of a
-        span (removed later), 0 elsewhere."""
-        start_indices = mask_indices - np.roll(mask_indices, 1, axis=-1) * mask_indices
-        start_indices[:, 0] = mask_indices[:, 0]
-        sentinel_ids = np.where(start_indices != 0, np.cumsum(start_indices, axis=-1), start_indices)
-        sentinel_ids = np.where(sentinel_ids != 0, (len(self.tokenizer) - sentinel_ids), 0)
-        sentinel_ids -= mask_indices - start_indices
-        return sentinel_ids
+    def span_corrupt(self, ids, noise):
+        """`ids` with each span of `noise` replaced by the next sentinel (<extra_id_0> first), then EOS. Every token
+        id is kept, so a literal <pad> (id 0) in the text survives (upstream bugs #15443/#15835 dropped it)."""
+        starts = noise & ~np.concatenate([[False], noise[:-1]])
+        out = np.where(starts, self.sentinels[np.maximum(np.cumsum(starts) - 1, 0)], ids)
+        return np.concatenate([out[starts | ~noise], [self.eos_token_id]])
 
-    def filter_input_ids(self, input_ids, sentinel_ids):
-        """Put sentinels in, drop the rest of each span, append EOS. Token ids >= 0 are kept, so a
-        literal <pad> (id 0) in the text survives (upstream bugs #15443/#15835 dropped it)."""
-        batch_size = input_ids.shape[0]
-        input_ids_full = np.where(sentinel_ids != 0, sentinel_ids, input_ids)
-        input_ids = input_ids_full[input_ids_full >= 0].reshape((batch_size, -1))
-        eos = np.full((batch_size, 1), self.tokenizer.eos_token_id, dtype=input_ids.dtype)
-        return np.concatenate([input_ids, eos], axis=-1)
+    @staticmethod
+    def pad(rows, length, fill):
+        """The rows as one int32 array, each padded with `fill` to `length` or to the longest row if longer."""
+        width = max(length, *map(len, rows))
+        return np.stack([np.pad(row, (0, width - len(row)), constant_values=fill) for row in rows]).astype(np.int32)
 
-    def random_spans_noise_mask(self, length, rng):
-        """A boolean noise mask of `length` tokens: about noise_density of them noise, in spans of mean
-        length mean_noise_span_length, alternating non-noise/noise and starting with non-noise."""
-        num_noise_tokens, num_noise_spans = noise_counts(length, self.noise_density, self.mean_noise_span_length)
-        num_nonnoise_tokens = length - num_noise_tokens
 
-        def _random_segmentation(num_items, num_segments):
-            """Split num_items into num_segments non-empty parts at random; return their lengths."""
-            mask_indices = np.arange(num_items - 1) < (num_segments - 1)
-            rng.shuffle(mask_indices)
-            first_in_segment = np.pad(mask_indices, [[1, 0]])
-            segment_id = np.cumsum(first_in_segment)
-            _, segment_length = np.unique(segment_id, return_counts=True)
-            return segment_length
+def random_spans_noise_mask(length, noise_density, mean_noise_span_length, rng):
+    """A boolean noise mask of `length` tokens: about noise_density of them noise, in spans of mean length
+    mean_noise_span_length, alternating non-noise/noise and starting with non-noise (T5's random_spans_noise_mask)."""
+    num_noise_tokens, num_noise_spans = noise_counts(length, noise_density, mean_noise_span_length)
+    num_nonnoise_tokens = length - num_noise_tokens
 
-        noise_span_lengths = _random_segmentation(num_noise_tokens, num_noise_spans)
-        nonnoise_span_lengths = _random_segmentation(num_nonnoise_tokens, num_noise_spans)
-        interleaved_span_lengths = np.reshape(
-            np.stack([nonnoise_span_lengths, noise_span_lengths], axis=1), [num_noise_spans * 2]
-        )
-        span_starts = np.cumsum(interleaved_span_lengths)[:-1]
-        span_start_indicator = np.zeros((length,), dtype=np.int8)
-        span_start_indicator[span_starts] = True
-        span_num = np.cumsum(span_start_indicator)
-        return np.equal(span_num % 2, 1)
+    def _random_segmentation(num_items, num_segments):
+        """Split num_items into num_segments non-empty parts at random; return their lengths."""
+        mask_indices = np.arange(num_items - 1) < (num_segments - 1)
+        rng.shuffle(mask_indices)
+        first_in_segment = np.pad(mask_indices, [[1, 0]])
+        segment_id = np.cumsum(first_in_segment)
+        _, segment_length = np.unique(segment_id, return_counts=True)
+        return segment_length
+
+    noise_span_lengths = _random_segmentation(num_noise_tokens, num_noise_spans)
+    nonnoise_span_lengths = _random_segmentation(num_nonnoise_tokens, num_noise_spans)
+    interleaved_span_lengths = np.reshape(
+        np.stack([nonnoise_span_lengths, noise_span_lengths], axis=1), [num_noise_spans * 2]
+    )
+    span_starts = np.cumsum(interleaved_span_lengths)[:-1]
+    span_start_indicator = np.zeros((length,), dtype=np.int8)
+    span_start_indicator[span_starts] = True
+    span_num = np.cumsum(span_start_indicator)
+    return np.equal(span_num % 2, 1)
 
 
 def build_collator(data_args, config, tokenizer, max_seq_length, dataset):
     """The noise's settings. `dataset`: the rows to be trained on and evaluated (after --max_train_samples and
     --max_eval_samples; an IterableDataset when streamed), for an objective that derives state from them."""
-    targets_length = compute_input_and_target_lengths(
-        max_seq_length, data_args.mlm_probability, data_args.mean_noise_span_length
-    )[1]
     return FlaxDataCollatorForT5MLM(
-        tokenizer=tokenizer,
+        sentinels=find_sentinels(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
         noise_density=data_args.mlm_probability,
         mean_noise_span_length=data_args.mean_noise_span_length,
         input_length=max_seq_length,
-        target_length=targets_length,
+        target_length=block_lengths(data_args, max_seq_length)[1],
         pad_token_id=config.pad_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
     )
@@ -450,7 +444,7 @@ def collate_batch(collator, examples, seed, row_ids, num_rows):
     """The model's batch of `num_rows` rows for rows `row_ids` of a dataset: span-corrupted (each row's spans drawn
     from (*seed, row id), the same in any batch), padded with rows that carry no label (so every device gets a full
     batch). `seed` is (--seed, epoch) in training (a streamed pass is an epoch), (--seed,) in evaluation."""
-    fill = {"input_ids": collator.pad_token_id, "decoder_input_ids": collator.pad_token_id, "labels": -100}
+    fill = {"input_ids": collator.pad_token_id, "decoder_input_ids": collator.pad_token_id, "labels": -100}  # mask 0
     return pad_rows(collator(examples, seed, row_ids), num_rows, fill)
 
 

@@ -141,6 +141,30 @@ def test_fit_objective_grows_the_vocabulary_and_a_pretrained_models_embeddings(t
     assert 0.5 * config.initializer_range < new_row.std() < 2 * config.initializer_range  # the model's own init
 
 
+def test_a_t5_copy_whose_fit_objective_adds_a_token_keeps_its_sentinels(t5_dir, corpus, tmp_path):
+    """T5's sentinels are found by name: a token a copy adds in fit_objective comes after <extra_id_0> in the
+    vocabulary, and spans are still written as <extra_id_0>, <extra_id_1>, ..., never as the new token (before, the
+    copy was refused: no sentinels "at the top of its vocabulary")."""
+    from transformers import AutoTokenizer
+
+    adds_a_token = (
+        '        fail(f"tokenizer {source!r} has no EOS token, which span corruption appends")\n',
+        '        fail(f"tokenizer {source!r} has no EOS token, which span corruption appends")\n'
+        "    tokenizer.add_special_tokens({'additional_special_tokens': ['<prefix_lm>']})\n"
+        "    config.vocab_size = max(config.vocab_size, len(tokenizer))\n",
+    )
+    copy = block_copy("flax/run_t5_mlm_flax.py", tmp_path, adds_a_token)
+    args = script_args(str(copy), "t5", t5_dir, corpus, tmp_path / "out", "--max_seq_length", "32")
+    check_ok(run([*args, "--per_device_train_batch_size", "4", "--do_train", "--dump_noised_examples", "8"]))
+    tokenizer = AutoTokenizer.from_pretrained(t5_dir)
+    sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(100)])
+    rows = [json.loads(line) for line in (tmp_path / "out" / "noised_examples.jsonl").read_text().splitlines()]
+    for row in rows:
+        written = [t for t in row["input_ids"] if t >= len(tokenizer) - 100]
+        assert written == sentinels[: len(written)] and row["labels"][0] == sentinels[0], row
+        assert len(tokenizer) not in row["input_ids"] + row["labels"]  # the new token's id
+
+
 def test_a_pretrained_models_embeddings_grow_to_a_larger_tokenizer(tiny_model_dir, corpus, tmp_path):
     """--model_name_or_path with a tokenizer of more tokens: its vocabulary grows to the tokenizer's, as PyTorch's
     resize_token_embeddings does, old rows kept; a new model's config of fewer tokens is refused in one line."""

@@ -27,7 +27,8 @@ t5 = load_script(SCRIPT, "run_t5_mlm_flax")
 def make_collator(tokenizer, length, density, span):
     expanded, targets = t5.compute_input_and_target_lengths(length, density, span)
     collator = t5.FlaxDataCollatorForT5MLM(
-        tokenizer=tokenizer,
+        sentinels=t5.find_sentinels(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
         noise_density=density,
         mean_noise_span_length=span,
         input_length=length,
@@ -89,15 +90,29 @@ def test_span_corruption_spec(t5_dir, length, density, span):
         assert noise == int(round(expanded * density)) or noise in (1, expanded - 1)
 
 
-def test_noise_mask_spans_have_the_requested_mean(t5_dir):
-    tokenizer = AutoTokenizer.from_pretrained(t5_dir)
-    collator, _, _ = make_collator(tokenizer, 512, 0.15, 3.0)
+def test_noise_mask_spans_have_the_requested_mean():
     rng = np.random.default_rng(0)
-    masks = np.array([collator.random_spans_noise_mask(568, rng) for _ in range(200)])
+    masks = np.array([t5.random_spans_noise_mask(568, 0.15, 3.0, rng) for _ in range(200)])
     assert abs(masks.mean() - 0.15) < 0.002  # seeded numpy draws (the same on every CPU), 113,600 positions
     starts = (masks[:, 1:] & ~masks[:, :-1]).sum()
     assert abs(masks.sum() / starts - 3.0) < 0.2
     assert not masks[:, 0].any()  # a non-noise span comes first
+
+
+def test_rows_of_other_lengths_are_padded_in_one_batch(t5_dir):
+    """A copy may mix objectives, so rows of other lengths in one batch: each row's inputs and targets are padded to
+    the batch's longest (inputs with <pad> and no attention, labels with -100), its own tokens as if it were alone."""
+    tokenizer = AutoTokenizer.from_pretrained(t5_dir)
+    collator, expanded, targets = make_collator(tokenizer, 32, 0.15, 3.0)
+    rows = [list(range(5, 5 + expanded)), list(range(5, 5 + 2 * expanded)), list(range(5, 25))]
+    batch = collator({"input_ids": rows}, (0,), row_ids=np.arange(3))
+    for i, row in enumerate(rows):
+        alone = collator({"input_ids": [row]}, (0,), row_ids=np.array([i]))
+        for key, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", -100)):
+            width = alone[key].shape[1]
+            assert (batch[key][i, :width] == alone[key][0]).all() and (batch[key][i, width:] == fill).all(), key
+    assert batch["attention_mask"][0, :32].all() and not batch["attention_mask"][0, 32:].any()  # the spec's length
+    assert batch["input_ids"].shape[1] > 32 and batch["labels"].shape == batch["decoder_input_ids"].shape
 
 
 def test_lengths_match_t5():
