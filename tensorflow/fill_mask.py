@@ -13,7 +13,7 @@ import sys
 # Not USE_TORCH=0: with torch installed, transformers 4.57's pipelines then fail to import
 # (NameError: LRScheduler in trainer_pt_utils).
 os.environ.setdefault("USE_FLAX", "0")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2" if os.path.exists("/dev/nvidiactl") else "3")  # as run_mlm.py
 
 
 WEIGHTS = ("tf_model.h5", "model.safetensors", "pytorch_model.bin")
@@ -35,6 +35,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.top_k <= 0:
         fail(f"--top_k must be positive, got {args.top_k}")
+    if not os.path.isdir(args.model_dir):
+        fail(f"--model_dir {args.model_dir} does not exist (relative paths are read from {os.getcwd()})")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         fail(f"--model_dir {args.model_dir} holds no model (config.json); train one with tensorflow/run_mlm.py")
     weights = [n for n in WEIGHTS if os.path.isfile(os.path.join(args.model_dir, n))]

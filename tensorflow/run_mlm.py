@@ -56,7 +56,9 @@ import time
 # Only TensorFlow is used: keep transformers from importing PyTorch and JAX.
 os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_FLAX", "0")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+# Without an NVIDIA driver, TensorFlow's CUDA build logs "failed call to cuInit" as an error: keep its C++ log to
+# fatal errors there (Python's exceptions still say what failed); with a GPU, its warnings and errors stay.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if os.path.exists("/dev/nvidiactl") else "3")
 
 import numpy as np
 import tensorflow as tf
@@ -493,7 +495,7 @@ class TrainingLog(keras.callbacks.Callback):
     def __init__(self, max_steps, schedule, writer):
         super().__init__()
         self.max_steps, self.schedule, self.writer = max_steps, schedule, writer
-        self.times = []
+        self.times, self.printed = [], time.perf_counter()
 
     def on_train_batch_begin(self, batch, logs=None):
         self.start = time.perf_counter()
@@ -502,6 +504,13 @@ class TrainingLog(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self.start)
         if len(self.times) >= self.max_steps:
             self.model.stop_training = True
+        # Keras prints one line an epoch when its output is not a terminal: a line a minute here, so a log shows life
+        if not sys.stdout.isatty() and time.perf_counter() - self.printed >= 60:
+            self.printed = time.perf_counter()
+            print(
+                f"step {len(self.times)}/{self.max_steps}, loss {(logs or {}).get('loss', float('nan')):.4f}",
+                flush=True,
+            )
 
     def on_epoch_end(self, epoch, logs=None):
         if self.writer is None:

@@ -637,11 +637,15 @@ def test_hub_names_with_the_hub_unreachable_in_the_helper_scripts(monkeypatch, t
     )
 
 
-def test_fill_mask_on_a_folder_without_tf_weights(trained_flax):
+def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax):
     errors(
         (
             ["tensorflow/fill_mask.py", "--model_dir", str(trained_flax), "the <mask> fell"],
             "no TensorFlow or PyTorch weights",
             "flax/export_to_pytorch.py",
-        )
+        ),
+        (
+            ["tensorflow/fill_mask.py", "--model_dir", "out/nowhere", "the <mask> fell"],
+            "--model_dir out/nowhere does not exist (relative paths are read from",
+        ),
     )

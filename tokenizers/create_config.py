@@ -16,6 +16,7 @@ Example:
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -26,6 +27,10 @@ import tempfile
 # all three frameworks hidden it warns that models are unavailable).
 os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_TF", "0")
+if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
+    sys.exit(
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+    )
 
 from transformers import CONFIG_MAPPING
 

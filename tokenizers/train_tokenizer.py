@@ -33,6 +33,10 @@ import tempfile
 # all three frameworks hidden it warns that models are unavailable).
 os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_TF", "0")
+if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
+    sys.exit(
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+    )
 
 from tokenizers import ByteLevelBPETokenizer, processors
 from transformers import GPT2TokenizerFast, RobertaTokenizerFast, T5TokenizerFast
