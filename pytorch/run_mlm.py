@@ -46,6 +46,9 @@ from itertools import chain
 # Only PyTorch is used: keep transformers from importing TensorFlow and JAX (several seconds).
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_FLAX", "0")
+# A captured log (no terminal) gets a progress bar line every 30 s, not one every 0.1 s joined by carriage returns.
+if not sys.stderr.isatty():
+    os.environ.setdefault("TQDM_MININTERVAL", "30")
 
 import datasets
 import numpy as np
