@@ -78,7 +78,13 @@ def load_script(relpath, name):
 
 
 def script_env(env=None):
-    return {**{k: v for k, v in os.environ.items() if k not in FRAMEWORK_SWITCHES}, **(env or {})}
+    """The environment of a script the suite starts: this one's (its caches in the session's folder, scripts_caches)
+    without the framework switches, updated with `env`. An `env` that names its own Hugging Face home (hub_cache,
+    datasets_cache) gets that home's datasets cache, not the session's."""
+    inherited = {k: v for k, v in os.environ.items() if k not in FRAMEWORK_SWITCHES}
+    if "HF_HOME" in (env or {}) and "HF_DATASETS_CACHE" not in env:
+        inherited.pop("HF_DATASETS_CACHE", None)
+    return {**inherited, **(env or {})}
 
 
 def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
@@ -404,6 +410,19 @@ def compilation_cache(tmp_path_factory):
         os.environ[f"JAX_{name.upper()}"] = str(value)
         if "jax" in sys.modules:  # in-process tests too
             sys.modules["jax"].config.update(f"jax_{name}", value)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scripts_caches(tmp_path_factory):
+    """The caches of the scripts the suite starts (and of this process, where it imports datasets after this) in the
+    session's own temporary folder, not the home folder's: datasets' Arrow caches (each test's tmp_path a new
+    fingerprint, so each run would add new ones under ~/.cache/huggingface/datasets) and torch.compile's inductor
+    cache (else under /tmp). pytest keeps the last three sessions' folders and removes older ones."""
+    base = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_CACHE", str(base / "hf-datasets-cache"))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(base / "torchinductor-cache"))
+        yield
 
 
 def pytest_sessionstart(session):
