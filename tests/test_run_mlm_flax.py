@@ -104,19 +104,36 @@ def test_trained_model_beats_untrained_and_checkpoint_reloads(trained, tiny_mode
     assert reloaded_metrics["eval_accuracy"] == pytest.approx(trained_metrics["eval_accuracy"], abs=1e-9)
 
 
-def test_checkpoint_logits_identical_after_reload(trained):
+def test_checkpoint_restores_the_saved_model(trained, tiny_model_dir, corpus):
+    """The last checkpoint (Orbax), restored through the script's own path (parse_args, build_train_state's abstract
+    state on a mesh of this process's device, read_checkpoint), holds the weights of the model saved beside it in
+    from_pretrained form: the same logits, bit for bit, from the same program on the same inputs. Two writers of the
+    same train state at the same step; a weight changed in either file, or a checkpoint of another step, differs."""
+    import jax
     import numpy as np
     from transformers import AutoTokenizer, FlaxAutoModelForMaskedLM
 
     out, _ = trained
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    inputs = tokenizer(["the company said its shares <mask> N points"], return_tensors="np")
-    first = FlaxAutoModelForMaskedLM.from_pretrained(out)(**inputs).logits
-    second = FlaxAutoModelForMaskedLM.from_pretrained(out)(**inputs).logits
-    assert np.isfinite(first).all() and np.array_equal(np.asarray(first), np.asarray(second))
     step = json.loads((out / "train_results.json").read_text())["global_step"]
-    assert (out / f"checkpoint-{step}" / "trainer_state").is_dir()
+    checkpoint = out / f"checkpoint-{step}"
+    assert (checkpoint / "trainer_state").is_dir()
     assert not list(out.glob(".tmp-*")) and not list(out.glob("*orbax-checkpoint-tmp*"))
+    script = load_script(SCRIPT, "reload_run_mlm_flax")
+    model_args, _, training_args = script.parse_args(mlm_args(tiny_model_dir, corpus, out, "--do_train")[1:])
+    config, _ = script.load_config_and_tokenizer(model_args)
+    plan = script.TrainingPlan(
+        script.make_mesh(training_args.fsdp, jax.devices()[:1]), 1, 1, 0, 8, 16, total_steps=step
+    )
+    _, abstract_state, _ = script.build_train_state(model_args, training_args, config, plan, abstract=True)
+    state, trainer_state = script.read_checkpoint(str(checkpoint), abstract_state)
+    assert trainer_state["global_step"] == int(state.step) == step
+    saved = FlaxAutoModelForMaskedLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    inputs = dict(tokenizer(["the company said its shares <mask> N points"], return_tensors="np"))
+    logits = jax.jit(lambda params: saved(**inputs, params=params).logits)
+    from_checkpoint, from_saved = np.asarray(logits(state.params)), np.asarray(logits(saved.params))
+    assert np.isfinite(from_saved).all()
+    assert np.array_equal(from_checkpoint, from_saved)
 
 
 def test_line_by_line_json_adafactor_bf16_checkpointing(tiny_model_dir, corpus, tmp_path):
