@@ -235,13 +235,25 @@ def test_streaming_line_by_line(tiny_model_dir, corpus, tmp_path):
                 "40",
                 "--save_strategy",
                 "no",
+                "--max_seq_length",
+                "128",
             )
         )
     )
     assert len(trainer_losses(result.stdout)) == 2 and results(out, "train")["global_step"] == 6
     metrics = results(out, "eval")
-    # 40 lines of PTB, each one sequence: about 2-3 masked tokens a line
-    assert 40 <= metrics["eval_masked_tokens"] <= 40 * 10 and math.isfinite(metrics["eval_loss"])
+    assert math.isfinite(metrics["eval_loss"])
+    # 40 lines of PTB, each one sequence of its own tokens: n of them (1797), not special ones, each masked with
+    # probability 0.15 (a binomial count: within 5 standard deviations, 1 in 1.7 million outside). Grouped text would
+    # be 40 blocks of 128 tokens (3 n), its count 30 standard deviations above this one's.
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    lines = [line for line in (corpus / "validation_slice.txt").read_text().splitlines() if line.strip()][:40]
+    length = 128 - tokenizer.num_special_tokens_to_add()
+    n = sum(min(len(ids), length) for ids in tokenizer(lines, add_special_tokens=False).input_ids)
+    assert 40 * 128 > 2.5 * n
+    assert abs(metrics["eval_masked_tokens"] - 0.15 * n) <= 5 * math.sqrt(n * 0.15 * 0.85), (n, metrics)
 
 
 @pytest.fixture(scope="module")
