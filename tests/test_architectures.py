@@ -137,6 +137,7 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     # Orbax restores no weakly typed array; a fresh state has none either, or a resumed run compiles another program
     assert not [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(state) if x.weak_type]
     train_step = script.make_train_step(model, schedule, bf16=False, seed=training_args.seed, state=state)
+    initial = jax.device_get(state.params)  # on the host: a step may take over the state's buffers
     metrics, compiled = [], None
     for ids in script.epoch_batches(plan.num_train_examples, plan.train_batch_size, training_args.seed, 0)[:2]:
         ids = np.sort(ids)
@@ -147,6 +148,22 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
         step_metrics = {**script.objective_means(step_metrics.pop("sums")), **step_metrics}
         metrics.append({name: float(value) for name, value in step_metrics.items()})
     assert int(state.step) == 2
+    # The steps moved the weights: every leaf the loss reaches. Not reached: BART's and mBART's final_logits_bias, a
+    # buffer that transformers' Flax BART adds under jax.lax.stop_gradient (PyTorch's registers it as a buffer), and
+    # in a causal LM the cross-attention of a decoder that has no encoder to attend to (BART's).
+    unmoved = [
+        jax.tree_util.keystr(key)
+        for (key, before), after in zip(
+            jax.tree_util.tree_leaves_with_path(initial), jax.tree_util.tree_leaves(state.params), strict=True
+        )
+        if np.array_equal(before, np.asarray(after))
+    ]
+    unreached = [
+        key
+        for key in unmoved
+        if key != "['final_logits_bias']" and not (script.OBJECTIVE == "causal-LM" and "['encoder_attn" in key)
+    ]
+    assert not unreached, f"{config.model_type}: two steps left {unreached} as they were"
     return model, state.params, batch, metrics
 
 
