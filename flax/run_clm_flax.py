@@ -14,7 +14,7 @@ Differs from upstream:
 - The loss is the sum over every predicted token of the global batch over their count; padding (the last eval
   batch's) is masked out; next-token accuracy beside loss and perplexity; GPT-2's Conv1D computes in bf16 too.
   Logits larger than 4 GiB are computed a chunk of positions at a time with their gradient, never whole: GPT-2 at
-  the original 64 x 512 tokens a device fits a TPU v3 core (14.5 of 16 GiB, by --compile_topology; whole: 21.9 GiB).
+  the original 64 x 512 tokens a device fits a TPU v3 core (14.5 of 16 GiB, by train_compile.py; whole: 21.9 GiB).
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order and dropout
   derive from (seed, epoch) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
@@ -28,8 +28,8 @@ Differs from upstream:
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 - `--streaming`: the data read, tokenized and shuffled (windows of `--shuffle_buffer_size`) as training goes, each
   process its own share, on a thread beside the step; resumes exactly too.
-- `--compile_topology v3-8` (or `h100:8`): the steps compiled for a TPU slice (libtpu) or GPUs (jax's CUDA plugin) on
-  this machine, without the chips: memory a device against theirs, and on TPU XLA's time estimate; nothing is trained.
+- Will it fit? `flax/train_compile.py flax/run_clm_flax.py --topology v3-8 -- FLAGS` compiles its steps for a TPU
+  slice or GPUs on this machine, without them: memory a device, FLOPs, XLA's time estimate.
 """
 
 import atexit
@@ -41,7 +41,6 @@ import difflib
 import fcntl
 import functools
 import hashlib
-import importlib.util
 import inspect
 import io
 import itertools
@@ -58,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +82,7 @@ from flax import traverse_util
 from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
-from jax.experimental import multihost_utils, topologies
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -137,7 +136,6 @@ class TrainingArguments:
     hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
     hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
-    compile_topology: str | None = arg(None, "Only compile the steps for a TPU slice (v3-8) or GPUs (h100:8).")
 
     def __post_init__(self):
         if self.output_dir is not None:
@@ -376,8 +374,6 @@ head_sums.defvjp(head_sums_fwd, head_sums_bwd)
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args.log_level)
-    if training_args.compile_topology:  # reads no data, trains nothing
-        return compile_for_topology(model_args, data_args, training_args)
     validate_args(model_args, data_args, training_args)
     checkpoints = find_checkpoint(training_args, model_args)
     lock = start_process(model_args, training_args)
@@ -1629,221 +1625,6 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
-# --- --compile_topology: the steps compiled for a TPU slice or GPUs, on this machine -------------------------------
-# HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e),
-# by the device_kind libtpu reports; a chip's devices (two v2, v3 or v4 cores) share it.
-TPU_HBM_GIB = {"TPU v2": 16, "TPU v3": 32, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
-# The GPUs XLA's GPU compiler is given as targets, from NVIDIA's data sheets (SMs, FP32 lanes an SM, boost clock GHz,
-# memory GiB, bandwidth TB/s, L2 MiB) and the CUDA C++ Programming Guide's table of compute capabilities (shared
-# memory KiB an SM, the capability).
-GPUS = {
-    "h100": ("NVIDIA H100 80GB HBM3", 132, 128, 1.98, 80, 3.35, 50, 228, 9, 0),
-    "a100": ("NVIDIA A100-SXM4-80GB", 108, 64, 1.41, 80, 2.039, 40, 164, 8, 0),
-}
-
-
-def topology_devices(name):
-    """The devices of the TPU slice `name` (from libtpu: TPU_LIBRARY_PATH, or the libtpu package) or of `name`'s GPUs
-    (GPU[:COUNT], from jax's CUDA plugin), and one device's memory in bytes: no TPU or GPU needed."""
-    os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
-    jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
-    gpu, _, count = name.lower().partition(":")
-    names = "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, "
-    names += f"v6e:2x2, or GPUs as {' or '.join(GPUS)}[:COUNT]"
-    if gpu in GPUS:
-        return gpu_devices(gpu, count or "1")
-    if not re.fullmatch(r"v\d+[a-z]*(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
-        fail(f"--compile_topology {name} is neither a TPU slice nor a GPU this script knows; {names}")
-    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
-        fail(
-            "--compile_topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
-            "bash run.sh setup-tpu and TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so"
-        )
-    quiet = dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v3-8", TPU_WORKER_HOSTNAMES="localhost")
-    quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
-    quiet["TPU_LOG_DIR"] = "disabled"  # not libtpu's files in /tmp/tpu_logs (up to 3 MB a compile); stderr as ever
-    for variable, value in quiet.items():  # no cloud metadata to ask, none needed to compile
-        os.environ.setdefault(variable, value)
-    try:
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
-    except Exception as e:  # noqa: BLE001 (libtpu raises XlaRuntimeError)
-        fail(f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; {names}")
-    kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
-    hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices)
-    return devices, hbm * 2**30, f"{len(devices)} x {kind} ({chips} chips, {hbm:.1f} GiB of HBM a device)"
-
-
-def gpu_devices(gpu, count):
-    """`count` GPUs of one host, compile-only, from a target description written from GPUS' figures."""
-    if not (importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12")):
-        fail(
-            f"--compile_topology {gpu} needs jax's CUDA plugin (no GPU or CUDA needed): pip install "
-            "jax-cuda12-plugin==0.9.2 jax-cuda12-pjrt==0.9.2, or bash run.sh setup-gpu and PYTHONPATH=.libgpu"
-        )
-    if not count.isdigit() or int(count) < 1:
-        fail(f"--compile_topology {gpu}:{count}: name GPUs as {gpu} or {gpu}:COUNT, such as {gpu}:8")
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA libraries: nothing runs
-    kind, sms, lanes, ghz, gib, bandwidth, l2, shared, major, minor = GPUS[gpu]
-    info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=48 * 1024)
-    info.update(shared_memory_per_core=shared * 1024, shared_memory_per_block_optin=(shared - 1) * 1024)
-    info.update(threads_per_core_limit=2048, core_count=sms, fpus_per_core=lanes, block_dim_limit_x=2**31 - 1)
-    info.update(block_dim_limit_y=65535, block_dim_limit_z=65535, memory_bandwidth=int(bandwidth * 1e12))
-    info.update(l2_cache_size=l2 * 2**20, clock_rate_ghz=ghz, device_memory_size=gib * 2**30)
-    info.update(registers_per_core_limit=65536, registers_per_block_limit=65536)
-    target = " ".join(f"{k}: {v}" for k, v in info.items())
-    target = f"gpu_device_info {{ {target} cuda_compute_capability {{ major: {major} minor: {minor} }} }} "
-    target += f'platform_name: "CUDA" device_description_str: "{kind}"'
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology=f"1x1x{count}")
-    return topology.devices, gib * 2**30, f"{count} x {kind} ({gib:.1f} GiB of HBM a device)"
-
-
-def compile_for_topology(model_args, data_args, training_args):
-    """--compile_topology: the train step (--do_train) and eval step (--do_eval) this run would execute, compiled for
-    a TPU slice or GPUs on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
-    memory XLA plans against the chip's HBM, its matrix products' FLOPs and XLA's time estimate. Reads the config and
-    tokenizer and tokenizes a few lines of its own: no data. Exits 1 when a step does not fit."""
-    args, micro = training_args, training_args.gradient_accumulation_steps
-    if not (args.do_train or args.do_eval):
-        fail("nothing to compile: pass --do_train and/or --do_eval")
-    validate_objective(data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args, args.gradient_checkpointing)
-    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
-    fit_attention(config, max_seq_length)
-    devices, hbm, what = topology_devices(args.compile_topology)
-    train_rows, eval_rows = (
-        len(devices) * args.per_device_train_batch_size,
-        len(devices) * args.per_device_eval_batch_size,
-    )
-    rows = synthetic_rows(data_args, tokenizer, max_seq_length, max(train_rows * micro, eval_rows))
-    mesh, total_steps = make_mesh(args.fsdp, devices), max(args.max_steps, 1)
-    plan = TrainingPlan(mesh, len(devices), len(devices), 0, train_rows * micro, eval_rows, total_steps=total_steps)
-    collator = build_collator(data_args, config, tokenizer, max_seq_length, rows)
-    model, state, schedule = build_train_state(model_args, args, config, plan, abstract=True)
-    bf16, seed, steps = model_args.dtype == "bfloat16", args.seed, {}
-    abstract = lambda batch, spec: {  # noqa: E731
-        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)) for k, x in batch.items()
-    }
-    if args.do_train:
-        batch = collate_batch(
-            collator,
-            rows["train"][: plan.train_batch_size],
-            (seed, 0),
-            np.arange(plan.train_batch_size),
-            plan.train_batch_size,
-        )
-        batch = {k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}
-        step = make_train_step(model, schedule, bf16, seed, state)
-        steps["train"] = (step, (state, abstract(batch, PartitionSpec(None, ("replica", "fsdp")))))
-    if args.do_eval:
-        batch = collate_batch(collator, rows["train"][:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
-        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-        steps["eval"] = (
-            make_eval_step(model, bf16, seed),
-            (state.params, abstract(batch, PartitionSpec(("replica", "fsdp"))), index),
-        )
-    logger.info(
-        f"Compiling for {args.compile_topology}: {what}, --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
-        f"{', --fsdp ' + args.fsdp if args.fsdp else ''}"
-    )
-    held = jax.tree.leaves(state if args.do_train else state.params)
-    state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in held)
-    if hbm and state_bytes > hbm:
-        fail(
-            f"the {'train state' if args.do_train else 'model'} alone is {state_bytes / 2**30:.2f} GiB a device, more "
-            f"than its {hbm / 2**30:.1f} GiB of "
-            "HBM: use --fsdp full_shard, more devices or a smaller model"
-        )
-    too_big = []
-    for name, (step, inputs) in steps.items():
-        too_big += compile_report(name, step, inputs, hbm)
-    base = transformers.FlaxPreTrainedModel.enable_gradient_checkpointing  # not every Flax model overrides it
-    more = ["--fsdp full_shard"] * (not args.fsdp) + ["--gradient_checkpointing"] * (
-        type(model).enable_gradient_checkpointing is not base and not args.gradient_checkpointing
-    )
-    if too_big:  # the remedies this run does not use yet and its model allows
-        fail("; ".join(too_big) + ": lower the batch, or add " + ", ".join(["--gradient_accumulation_steps", *more]))
-
-
-def synthetic_rows(data_args, tokenizer, max_seq_length, count):
-    """At least `count` rows made by preprocess from lines of plain words, each line longer than a row: the shapes
-    a run's batches have, without reading its data."""
-    words = "the quick brown fox jumps over the lazy dog .".split()
-    line = " ".join(words * (2 * max_seq_length // len(words) + 1))
-    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [line] * count})})
-    logging.disable(logging.WARNING)  # such lines are cut or packed on purpose
-    datasets.disable_progress_bars()
-    try:
-        return preprocess(
-            raw, replace(data_args, preprocessing_num_workers=None, streaming=False), tokenizer, max_seq_length
-        )
-    finally:
-        logging.disable(logging.NOTSET)
-        datasets.enable_progress_bars()
-
-
-def compile_report(name, step, inputs, hbm):
-    """Compile one step for the slice and log, per device, its memory, the FLOPs of its matrix products and XLA's
-    time estimate; returns [] or the line that says by how much it does not fit."""
-    started = time.perf_counter()
-    try:
-        traced = step.trace(*inputs)
-        compiled = traced.lower().compile()
-    except Exception as e:  # noqa: BLE001 (JaxRuntimeError)
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        used = re.search(r"[Uu]sed ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm.*?by ([0-9.]+[KMGT]?)", str(e), re.S)
-        what = f"needs {used[1]} of a device's {used[2]} HBM, {used[3]} more" if used else first_line(e)[:200]
-        return [f"the {name} step does not fit: XLA:TPU {what}"]
-    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None from the GPU compiler
-    state = memory.argument_size_in_bytes
-    total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-    devices = jax.tree.leaves(inputs)[0].sharding.mesh.size
-    flops, once = (matmul_flops(traced.jaxpr.jaxpr, loops) / devices for loops in (True, False))
-    seconds = cost.get("optimal_seconds", 0) * flops / max(once, 1)  # XLA counts a loop's body once: scaled
-    tokens = math.prod(inputs[1]["input_ids"].shape)
-    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
-    share = f"of {size(hbm)} ({100 * total / hbm:.1f} %)" if hbm else "(this chip's HBM is not in TPU_HBM_GIB)"
-    estimate = (  # libtpu gives tiny programs a negative optimal_seconds on some chips (v5e); the GPU compiler none
-        f"XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s over the slice"
-        if seconds > 0
-        else f"no time estimate from XLA (optimal_seconds {cost.get('optimal_seconds')})"
-        if cost
-        else "no time estimate from XLA for this target"
-    )
-    logger.info(
-        f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
-        f"{size(total)} {share}; {flops / 1e9:,.1f} GFLOP of matrix products; {estimate} "
-        f"(compiled in {time.perf_counter() - started:.0f} s)"
-    )
-    if hbm and total > hbm:  # XLA:TPU refuses such a program itself (above); XLA's GPU compiler does not
-        return [
-            f"the {name} step does not fit: it needs {size(total)} of a device's {size(hbm)}, {size(total - hbm)} more"
-        ]
-    return []
-
-
-def matmul_flops(jaxpr, loops=True):
-    """The FLOPs of a jaxpr's matrix products (two a multiply-add) whose results are used, a scan's body times its
-    length; loops=False counts every loop's body once, as XLA's cost analysis does (its FLOPs and time estimate miss
-    the micro-batches after the first, and the chunks of CLM's head after the first)."""
-    total, used = 0, {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if not (eqn.effects or used.intersection(eqn.outvars)):
-            continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
-        used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-        if eqn.primitive.name == "dot_general":
-            (contracted, _), _ = eqn.params["dimension_numbers"]
-            shape = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
-        times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple) else (value,):
-                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
-                    total += times * matmul_flops(getattr(inner, "jaxpr", inner), loops)
-    return total
-
-
 # --- memory ----------------------------------------------------------------------------------------------------
 
 
@@ -1976,6 +1757,27 @@ def timed_step(train_step, state, batch, loop):
     logger.info(f"First step (compilation included): {time.perf_counter() - started:.1f} s")
     loop.window = [time.perf_counter(), 0, 0]
     return state, metrics
+
+
+def matmul_flops(jaxpr, loops=True):
+    """The FLOPs of a jaxpr's matrix products (two a multiply-add) whose results are used, a scan's body times its
+    length; loops=False counts every loop's body once, as XLA's cost analysis does (its FLOPs and time estimate miss
+    the micro-batches after the first, and the chunks of CLM's head after the first)."""
+    total, used = 0, {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if not (eqn.effects or used.intersection(eqn.outvars)):
+            continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
+        used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
+        times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    total += times * matmul_flops(getattr(inner, "jaxpr", inner), loops)
+    return total
 
 
 def fetch_metrics(loop, progress):
