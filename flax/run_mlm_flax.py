@@ -163,7 +163,6 @@ class DataArguments:
     max_eval_samples: int | None = arg(None, "Use at most this many evaluation rows (streamed: 1000 by default).")
     streaming: bool = arg(False, "Read, tokenize and shuffle the data as training goes (needs --max_steps).")
     shuffle_buffer_size: int = arg(10000, "With --streaming: rows shuffled together, a window of this many at a time.")
-    dump_noised_examples: int | None = arg(None, "Write N training rows as the step sees them to output_dir and exit.")
 
 
 # === the objective: masked language modelling ======================================================================
@@ -440,10 +439,6 @@ def main(argv=None):
     dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
     collator = build_collator(data_args, config, tokenizer, max_seq_length, dataset)
-    if data_args.dump_noised_examples:
-        return dump_noised_examples(
-            dataset["train"], collator, plan, training_args, tokenizer, data_args.dump_noised_examples
-        )
 
     hub = open_hub_repo(training_args)
     model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoints))
@@ -742,7 +737,7 @@ RANGES = (
         "positive",
         "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps "
         "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
-        "dump_noised_examples shuffle_buffer_size",
+        "shuffle_buffer_size",
     ),
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
@@ -784,8 +779,6 @@ def validate_args(model_args, data_args, training_args):
     for refused, message in (
         (not (data.dataset_name or any(files.values())), "need --dataset_name or --train_file/--validation_file"),
         (len(extensions) > 1, f"--train_file and --validation_file need the same extension, got {extensions}"),
-        (data.dump_noised_examples and not args.do_train, "--dump_noised_examples needs --do_train (training rows)"),
-        (streamed and data.dump_noised_examples, "--dump_noised_examples works in memory: leave out --streaming"),
         (streamed and args.do_train and args.max_steps <= 0, "--streaming needs --max_steps: a stream has no length"),
         (
             streamed and args.do_eval and data.train_file and not data.validation_file,
@@ -1203,27 +1196,6 @@ def common_shapes(batch, pad_token_id):
         widths = [(0, 0)] + [(0, int(t) - d) for t, d in zip(target, value.shape[1:], strict=True)]
         padded[name] = np.pad(value, widths, constant_values=fill)
     return padded
-
-
-def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
-    """The first `count` training rows as the step sees them, to output_dir/noised_examples.jsonl: the row before
-    noise, the model input (trailing padding left out), the batch's other arrays, the first two decoded."""
-    path, seed, records = os.path.join(training_args.output_dir, "noised_examples.jsonl"), training_args.seed, []
-    for index, rows in enumerate(map(np.sort, epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0))):
-        examples = dataset[rows]
-        batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
-        for k, row in enumerate(rows[: count - len(records)]):
-            kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)
-            inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
-            record = dict(batch=index, row=int(row), original_ids=list(examples["input_ids"][k]), input_ids=inputs)
-            record.update({key: values[k].tolist() for key, values in batch.items() if key != "input_ids"})
-            record.update(original_text=tokenizer.decode(record["original_ids"]), input_text=tokenizer.decode(inputs))
-            records.append(record)
-        if len(records) == count:
-            break
-    if plan.process_index == 0:
-        Path(path).write_text("".join(json.dumps(record) + "\n" for record in records))
-        logger.info(f"wrote {len(records)} noised training rows to {path}; trained nothing (drop the flag to train)")
 
 
 # --- model and plan ----------------------------------------------------------------------------------------------
@@ -1921,8 +1893,7 @@ def save_checkpoint(state, progress, run):
     path = os.path.join(output_dir, f"checkpoint-{step}")
     last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
     last = last or "no checkpoint is complete"
-    # The checkpoint and the weights in from_pretrained form; checked first: Orbax's writer threads do not stop
-    # cleanly on a full disk.
+    # The checkpoint and the model's weights, checked first: Orbax's writer threads do not stop on a full disk.
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
     free = shutil.disk_usage(output_dir).free
     if free < 1.1 * needed + (1 << 20):
@@ -1931,16 +1902,21 @@ def save_checkpoint(state, progress, run):
             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
     trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
-    trainer_state.update(
-        objective=run.objective, data=run.data, stream=progress.stream and gather_json(progress.stream)
-    )
-    trainer_state["schedule"] = [run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate]  # see restore
+    trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
+    trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
     try:
         save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
         run.checkpoints.save(step, args=save, force=True)
         params = multihost_utils.process_allgather(state.params, tiled=True)  # every process takes part
-        if jax.process_index() == 0:
-            save_pretrained(run.model, params, run.tokenizer, output_dir)
+        if jax.process_index() == 0:  # moved in from a folder of this run's own: a crash mid-save leaves the last
+            tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
+            save_model(run.model, params, tmp_dir)
+            run.tokenizer.save_pretrained(tmp_dir)
+            for name in os.listdir(tmp_dir):
+                if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
+                    shutil.rmtree(os.path.join(output_dir, name))
+                os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
+            os.rmdir(tmp_dir)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
         fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
@@ -1957,18 +1933,6 @@ def gather_json(value):
     size = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
     rows = multihost_utils.process_allgather(np.pad(data, (0, size - len(data)), constant_values=ord(" ")))
     return [json.loads(bytes(row)) for row in rows]
-
-
-def save_pretrained(model, params, tokenizer, output_dir):
-    """The model and tokenizer moved into output_dir one by one from a temporary folder: a crash keeps the last."""
-    tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
-    save_model(model, params, tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    for name in os.listdir(tmp_dir):
-        if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
-            shutil.rmtree(os.path.join(output_dir, name))
-        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
-    os.rmdir(tmp_dir)
 
 
 def restore_checkpoint(paths, abstract_state, run):
