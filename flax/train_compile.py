@@ -51,7 +51,7 @@ def fail(message):
 def topology_devices(name):
     """The devices of the TPU slice `name` (from libtpu: TPU_LIBRARY_PATH, or the libtpu package) or of `name`'s GPUs
     (GPU[:COUNT], from jax's CUDA plugin), one device's memory in bytes, and their description: no TPU or GPU needed.
-    On v4 and v5p libtpu gives a chip's two cores as one device (megacore), as the chip runs them."""
+    On v4 and v5p, asked for chip_config_name "megacore", libtpu gives a chip's two cores as one device, as they run."""
     os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
     jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
     gpu, _, count = name.lower().partition(":")
@@ -127,43 +127,31 @@ def compile_steps(script, flags, topology, target):
     config, tokenizer = script.load_config_and_tokenizer(model_args, args.gradient_checkpointing)
     length = script.resolve_max_seq_length(data_args, config, tokenizer)
     script.fit_attention(config, length)
-    micro, train_rows, eval_rows = (
-        args.gradient_accumulation_steps,
-        len(devices) * args.per_device_train_batch_size,
-        len(devices) * args.per_device_eval_batch_size,
-    )
-    rows = synthetic_rows(script, data_args, tokenizer, length, max(train_rows * micro, eval_rows))["train"]
+    n, micro = len(devices), args.gradient_accumulation_steps
+    train_rows, eval_rows = n * args.per_device_train_batch_size * micro, n * args.per_device_eval_batch_size
+    rows = synthetic_rows(script, data_args, tokenizer, length, max(train_rows, eval_rows))["train"]
     mesh = script.make_mesh(args.fsdp, devices)
-    plan = script.TrainingPlan(
-        mesh, len(devices), len(devices), 0, train_rows * micro, eval_rows, total_steps=max(args.max_steps, 1)
-    )
+    plan = script.TrainingPlan(mesh, n, n, 0, train_rows, eval_rows, total_steps=max(args.max_steps, 1))
     collator = script.build_collator(data_args, config, tokenizer, length, rows)
     model, state, schedule = script.build_train_state(model_args, args, config, plan, abstract=True)
-    abstract = lambda batch, *spec: {  # noqa: E731
+    sharded = lambda batch, *spec: {  # noqa: E731
         k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec(*spec)))
         for k, x in batch.items()
     }
-    bf16, seed, steps = model_args.dtype == "bfloat16", args.seed, {}
-    if args.do_train:
-        n = plan.train_batch_size
-        batch = script.collate_batch(collator, rows[:n], (seed, 0), np.arange(n), n)
-        batch = abstract({k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}, None, ("replica", "fsdp"))
+    bf16, seed, steps, split = model_args.dtype == "bfloat16", args.seed, {}, ("replica", "fsdp")
+    if args.do_train:  # [micro-batches, rows, ...], as global_batch shapes it
+        batch = script.collate_batch(collator, rows[:train_rows], (seed, 0), np.arange(train_rows), train_rows)
+        batch = sharded({k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}, None, split)
         steps["train"] = (script.make_train_step(model, schedule, bf16, seed, state), (state, batch))
     if args.do_eval:
         batch = script.collate_batch(collator, rows[:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
         index = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-        steps["eval"] = (
-            script.make_eval_step(model, bf16, seed),
-            (state.params, abstract(batch, ("replica", "fsdp")), index),
-        )
-    shapes = [(name, inputs[1]["input_ids"].shape[-2] // len(devices)) for name, (_, inputs) in steps.items()]
+        steps["eval"] = (script.make_eval_step(model, bf16, seed), (state.params, sharded(batch, split), index))
+    per_device = [f"train {args.per_device_train_batch_size}" + f" x {micro} micro-batches" * (micro > 1)]
+    per_device = per_device * args.do_train + [f"eval {args.per_device_eval_batch_size}"] * args.do_eval
     logger.info(
         f"Compiling for {topology}: {what}, --{script.LENGTH_FLAG} {length}, --dtype {model_args.dtype}"
-        + f", --fsdp {args.fsdp}" * bool(args.fsdp)
-        + "; rows a device: "
-        + ", ".join(
-            f"{name} {n}" + f" x {micro} micro-batches" * (name == "train" and micro > 1) for name, n in shapes
-        )
+        f"{', --fsdp ' + args.fsdp if args.fsdp else ''}; rows a device: {', '.join(per_device)}"
     )
     held = jax.tree.leaves(state if args.do_train else state.params)
     state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in held)
