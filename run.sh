@@ -7,8 +7,8 @@
 #   bash run.sh setup   only create/refresh the main virtual environment (.venv, or $VENV)
 #   bash run.sh setup-xla  only create/refresh the PyTorch/XLA environment (.venv-xla, or $VENV_XLA):
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
-#   bash run.sh setup-tpu  only install libtpu into .libtpu, for --compile_topology (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
-#   bash run.sh setup-gpu  only install jax's CUDA plugin into .libgpu, for --compile_topology h100 (PYTHONPATH=.libgpu)
+#   bash run.sh setup-tpu  only install libtpu into .libtpu, for flax/train_compile.py (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
+#   bash run.sh setup-gpu  only install jax's CUDA plugin into .libgpu, for flax/train_compile.py --topology h100 (PYTHONPATH=.libgpu)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -35,7 +35,7 @@ make_venv() {
 }
 setup() { make_venv "$VENV" requirements.txt 2 6; }
 setup_xla() { make_venv "$VENV_XLA" pytorch/requirements-xla.txt 3 10; }
-# The compilers for the Flax scripts' --compile_topology, each in a folder of its own: jax in .venv would look for
+# The compilers for flax/train_compile.py, each in a folder of its own: jax in .venv would look for
 # the chip at every start if they were installed there. libtpu, XLA's TPU compiler (TPU_LIBRARY_PATH=.libtpu/libtpu/
 # libtpu.so); jax's CUDA plugin, XLA's GPU compiler (PYTHONPATH=.libgpu). No TPU, GPU or CUDA libraries needed.
 # install_into DIR REQUIREMENTS WHAT: (re)install only when the requirements file changed.

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""A Flax script's train step against a plain step of the same model and loss, both compiled for a TPU slice by the
-script's own --compile_topology: per device, the memory XLA:TPU plans and its time estimate. The plain step is
+"""A Flax script's train step against a plain step of the same model and loss, both compiled for a TPU slice by
+flax/train_compile.py: per device, the memory XLA:TPU plans and its time estimate. The plain step is
 jax.value_and_grad of loss_sums' loss (its sum over its count) on one micro-batch, then the script's optimizer: no
 scan over micro-batches, no vector-Jacobian product per loss term, no remat policy. The script's flags follow `--`:
 
-  TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so python benchmarks/step_memory.py flax/run_clm_flax.py -- \\
+  TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so python benchmarks/step_memory.py flax/run_clm_flax.py --topology v3-8 -- \\
       --output_dir unused --config_name gpt2-config --tokenizer_name T --block_size 512 \\
-      --per_device_train_batch_size 64 --do_train --compile_topology v3-8
+      --per_device_train_batch_size 64 --do_train
 """
 
 import argparse
@@ -43,51 +43,48 @@ def plain_train_step(script):
     return make_train_step
 
 
-def compile_step(script, flags):
-    """What --compile_topology logs of the train step (or the line saying it does not fit); RuntimeError with the
-    script's error line if it stopped before compiling (bad flags, no libtpu)."""
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    script.logger.addHandler(handler)
-    try:
-        script.main(flags)
-    except SystemExit as e:
-        lines.append(str(e))
-    finally:
-        script.logger.removeHandler(handler)
-    found = [line for line in lines if "train step" in line]
-    if not found:
-        raise RuntimeError(lines[-1] if lines else f"{script.__name__} compiled no train step")
-    return found[-1]
-
-
-def step_line(relpath, flags, plain):
-    """compile_step of the script's own step, or with plain=True of the plain one."""
+def step_line(relpath, topology, flags, plain):
+    """What flax/train_compile.py logs of the script's train step (or the line saying it does not fit), or with
+    plain=True of the plain one; RuntimeError with the error line if it stopped before compiling (bad flags, no
+    libtpu)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from run_benchmark import load_script
 
-    script = load_script(relpath)
-    if plain:
-        script.make_train_step = plain_train_step(script)
-    return compile_step(script, flags)
+    tool = load_script("flax/train_compile.py")
+    lines, handler = [], logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    tool.logger.addHandler(handler)
+    try:
+        target = tool.topology_devices(topology)
+        script = tool.load_script(str(ROOT / relpath))
+        if plain:
+            script.make_train_step = plain_train_step(script)
+        tool.compile_steps(script, flags, topology, target)
+    except SystemExit as e:
+        lines.append(str(e))
+    found = [line for line in lines if "train step" in line]
+    if not found:
+        raise RuntimeError(lines[-1] if lines else f"{relpath} compiled no train step")
+    return found[-1]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("script", help="A Flax training script, e.g. flax/run_mlm_flax.py.")
-    parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then its flags, with --compile_topology.")
-    args = parser.parse_args(argv)
-    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    if "--compile_topology" not in flags or "--do_train" not in flags:
-        parser.error("the script's flags need --compile_topology SLICE and --do_train")
+    parser.add_argument("--topology", required=True, help="A TPU slice, as flax/train_compile.py takes it: v3-8.")
+    parser.usage = "%(prog)s SCRIPT --topology SLICE -- FLAGS (the script's, with --do_train)"
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, flags = parser.parse_args(argv[:cut]), argv[cut + 1 :]
+    if "--do_train" not in flags:
+        parser.error("the script's flags need --do_train")
     rows = {}
     for name in ("ours", "plain"):
         # A process a compile: XLA's compile memory stays with the process (T5 base's two compiles for v3-8 need more
         # than 24 GB together, at most 19 GB each alone).
         pool = multiprocessing.get_context("spawn").Pool(1)
         try:
-            rows[name] = pool.apply(step_line, (args.script, flags, name == "plain"))
+            rows[name] = pool.apply(step_line, (args.script, args.topology, flags, name == "plain"))
         except RuntimeError as e:  # the script's own line: it names the flag
             sys.exit(str(e))
         finally:

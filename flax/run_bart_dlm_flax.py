@@ -15,7 +15,7 @@ Differs from upstream:
   back: spans over whole words (`--mask_whole_words false`); a per-row budget of ceil(words x --mlm_probability)
   words; zero-length spans insert a mask (`--insert_zero_length_spans false`); 10 % of masks random tokens
   (`--mask_random 0`); permutation never glues one document to the next. Sentences from `sentencex` (rules in the
-  wheel, `--sentence_language`), not nltk's downloaded punkt. `--dump_noised_examples N` shows the noise.
+  wheel, `--sentence_language`), not nltk's downloaded punkt. `flax/dump_noised_examples.py` shows the noise.
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order, noise and dropout
   derive from (seed, epoch, example) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
@@ -29,12 +29,13 @@ Differs from upstream:
 - Multi-host over `JAX_COORDINATOR_ADDRESS`/`JAX_NUM_PROCESSES`/`JAX_PROCESS_ID`, SLURM, Open MPI or TPU pods.
 - `--streaming`: the data read, tokenized and shuffled (windows of `--shuffle_buffer_size`) as training goes, each
   process its own share, on a thread beside the step; resumes exactly too.
-- `--compile_topology v3-8` (or `h100:8`): the steps compiled for a TPU slice (libtpu) or GPUs (jax's CUDA plugin) on
-  this machine, without the chips: memory a device against theirs, and on TPU XLA's time estimate; nothing is trained.
+- Will it fit? `flax/train_compile.py flax/run_bart_dlm_flax.py --topology v3-8 -- FLAGS` compiles its steps for a TPU
+  slice or GPUs on this machine, without them: memory a device, FLOPs, XLA's time estimate.
 """
 
 import atexit
 import codecs
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -42,7 +43,6 @@ import difflib
 import fcntl
 import functools
 import hashlib
-import importlib.util
 import inspect
 import io
 import itertools
@@ -50,16 +50,14 @@ import json
 import logging
 import math
 import os
-import queue
 import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +82,7 @@ from flax import traverse_util
 from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
-from jax.experimental import multihost_utils, topologies
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -138,7 +136,6 @@ class TrainingArguments:
     hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
     hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
-    compile_topology: str | None = arg(None, "Only compile the steps for a TPU slice (v3-8) or GPUs (h100:8).")
 
     def __post_init__(self):
         if self.output_dir is not None:
@@ -171,7 +168,6 @@ class DataArguments:
     max_eval_samples: int | None = arg(None, "Use at most this many evaluation rows (streamed: 1000 by default).")
     streaming: bool = arg(False, "Read, tokenize and shuffle the data as training goes (needs --max_steps).")
     shuffle_buffer_size: int = arg(10000, "With --streaming: rows shuffled together, a window of this many at a time.")
-    dump_noised_examples: int | None = arg(None, "Write N training rows as the step sees them to output_dir and exit.")
 
 
 # === the objective: BART denoising (sentence permutation and text infilling) ======================================
@@ -490,8 +486,6 @@ def loss_sums(model, params, batch, rng, train, bf16):
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args.log_level)
-    if training_args.compile_topology:  # reads no data, trains nothing
-        return compile_for_topology(model_args, data_args, training_args)
     validate_args(model_args, data_args, training_args)
     checkpoints = find_checkpoint(training_args, model_args)
     lock = start_process(model_args, training_args)
@@ -503,10 +497,6 @@ def main(argv=None):
     dataset = select_samples(preprocess(raw_datasets, data_args, tokenizer, max_seq_length), data_args)
     plan = plan_training(training_args, dataset, max_seq_length)  # from here on JAX runs threads: no more forking
     collator = build_collator(data_args, config, tokenizer, max_seq_length, dataset)
-    if data_args.dump_noised_examples:
-        return dump_noised_examples(
-            dataset["train"], collator, plan, training_args, tokenizer, data_args.dump_noised_examples
-        )
 
     hub = open_hub_repo(training_args)
     model, state, schedule = build_train_state(model_args, training_args, config, plan, abstract=bool(checkpoints))
@@ -757,20 +747,8 @@ def first_line(error):
     return str(error).splitlines()[0] if str(error) else ""
 
 
-def check_hub_name(flag, name):
-    """A name that is not a local path is a hub id: fail at once if the hub cannot be reached, unless HF_HUB_OFFLINE=1
-    asks for the local cache (a name missing from it then fails in one line where it is loaded)."""
-    from huggingface_hub import constants
-
-    if name is not None and not os.path.exists(name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
-        fail(
-            f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
-            "pass local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
-            "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
-        )
-
-
 def hub_reachable(timeout=5.0):
+    """Whether the Hugging Face Hub answers; never with HF_HUB_OFFLINE=1."""
     import requests
     from huggingface_hub import constants
 
@@ -781,8 +759,7 @@ def hub_reachable(timeout=5.0):
 
 
 def parse_args(argv=None):
-    """The three argument groups, from the command line or one JSON file, with their values checked (RANGES,
-    CHOICES). A flag that does not exist, a malformed value or a missing file is one line, not argparse's usage."""
+    """The argument groups from the command line or a JSON file, checked (RANGES, CHOICES); bad input: one line."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
     parser.error = fail
     argv = sys.argv[1:] if argv is None else argv
@@ -800,15 +777,14 @@ def parse_args(argv=None):
             options = [option.lstrip("-") for action in parser._actions for option in action.option_strings]
             close = difflib.get_close_matches(flag.lstrip("-"), options, n=1)  # without "--", --lr is not near --help
             fail(f"unknown argument {flag}" + (f"; did you mean --{close[0]}?" if close else "; see --help"))
-    for group in groups:
-        for test, what, names in RANGES:
-            for name in names.split():
-                value = getattr(group, name, None)
-                if value is not None and not test(value):
-                    fail(f"--{name} must be {what}, got {value}")
-        for name, words in CHOICES.items():
-            if hasattr(group, name) and getattr(group, name) not in words:
-                fail(f"--{name} must be one of {', '.join(map(repr, words))}, got {getattr(group, name)!r}")
+    values = {name: value for group in groups for name, value in vars(group).items()}
+    for test, what, names in RANGES:
+        for name in names.split():
+            if values[name] is not None and not test(values[name]):
+                fail(f"--{name} must be {what}, got {values[name]}")
+    for name, words in CHOICES.items():
+        if values[name] not in words:
+            fail(f"--{name} must be one of {', '.join(map(repr, words))}, got {values[name]!r}")
     return groups
 
 
@@ -819,7 +795,7 @@ RANGES = (
         "positive",
         "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps "
         "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
-        "dump_noised_examples shuffle_buffer_size",
+        "shuffle_buffer_size",
     ),
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
@@ -861,8 +837,6 @@ def validate_args(model_args, data_args, training_args):
     for refused, message in (
         (not (data.dataset_name or any(files.values())), "need --dataset_name or --train_file/--validation_file"),
         (len(extensions) > 1, f"--train_file and --validation_file need the same extension, got {extensions}"),
-        (data.dump_noised_examples and not args.do_train, "--dump_noised_examples needs --do_train (training rows)"),
-        (streamed and data.dump_noised_examples, "--dump_noised_examples works in memory: leave out --streaming"),
         (streamed and args.do_train and args.max_steps <= 0, "--streaming needs --max_steps: a stream has no length"),
         (
             streamed and args.do_eval and data.train_file and not data.validation_file,
@@ -886,9 +860,18 @@ def validate_args(model_args, data_args, training_args):
     ):
         if unused := [flag for flag in given if flag in names]:
             logger.warning(f"{', '.join(unused)}: {why}")
+    from huggingface_hub import constants
+
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
-        check_hub_name(f"--{flag}", path)
+        # A name that is not a local path is a hub id: refused at once if the hub cannot be reached, unless
+        # HF_HUB_OFFLINE=1 asks for the local cache (a name missing from it then fails where it is loaded).
+        if path is not None and not os.path.exists(path) and not constants.HF_HUB_OFFLINE and not hub_reachable():
+            fail(
+                f"--{flag} {path!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
+                "files instead (--train_file/--validation_file for data, a folder for models/tokenizers; see "
+                "tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+            )
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
@@ -897,9 +880,8 @@ def validate_args(model_args, data_args, training_args):
 
 
 def check_data_file(flag, path, whole=True):
-    """A file (not a folder) of a supported extension, not empty, and UTF-8 text (for other bytes the datasets
-    loader says only that generating the dataset failed); not whole (streamed): its first MiB, the rest as it is read
-    (stream_windows)."""
+    """A file (not a folder) of a supported extension, not empty, and UTF-8 text (else the datasets loader says
+    only that generating the dataset failed); streamed (not whole): its first MiB, the rest as it is read."""
     extension = path.split(".")[-1]
     if os.path.isdir(path):
         fail(f"{flag} {path} is a directory; pass a .txt, .csv or .json file")
@@ -909,7 +891,7 @@ def check_data_file(flag, path, whole=True):
         fail(f"{flag} {path} does not exist")
     decoder, line, empty = codecs.getincrementaldecoder("utf-8")(), 1, True
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in itertools.islice(iter(lambda: f.read(1 << 20), b""), None if whole else 1):
             empty = empty and not chunk.strip()
             try:
                 decoder.decode(chunk)
@@ -920,8 +902,6 @@ def check_data_file(flag, path, whole=True):
                     "e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(b"\n")
-            if not whole:
-                break
     if empty:
         fail(f"{flag} {path} is empty")
 
@@ -945,8 +925,7 @@ def start_process(model_args, training_args):
 
 
 def lock_output_dir(output_dir):
-    """Hold an flock on output_dir/.lock while this process runs, so that a second run into the folder is refused
-    instead of mixing its files with this one's; the OS releases it however the process ends, kill -9 too."""
+    """An flock on output_dir/.lock while this process runs (released however it ends): a second run is refused."""
     if not os.path.isdir(output_dir):  # made here: removed again if the run stops before writing into it
         atexit.register(
             lambda: os.path.isdir(output_dir) and os.listdir(output_dir) == [".lock"] and shutil.rmtree(output_dir)
@@ -971,8 +950,7 @@ def lock_output_dir(output_dir):
 
 def init_distributed():
     """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES and JAX_PROCESS_ID, else wherever JAX finds a cluster (TPU pod slices, SLURM, Open MPI).
-    Nothing to join once JAX runs (main() called again in one process, as upstream's example tests do)."""
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID, else wherever JAX finds a cluster (TPU pod slices, SLURM, Open MPI), once."""
     if xla_bridge.backends_are_initialized():
         return
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
@@ -998,10 +976,8 @@ def on_signal(signum, _frame):
         os.kill(os.getpid(), signum)
     STOP["signal"] = signum
     if not STOP.get("training"):
-        print(
-            f"{os.path.basename(__file__)}: stopped on {signal.Signals(signum).name}, outside training: nothing to save",
-            file=sys.stderr,
-        )
+        name = signal.Signals(signum).name
+        print(f"{os.path.basename(__file__)}: stopped on {name}, outside training: nothing to save", file=sys.stderr)
         raise SystemExit(128 + signum)
 
 
@@ -1015,8 +991,7 @@ def stop_requested():
 
 
 def load_raw_datasets(model_args, data_args):
-    """The train and validation splits, from the hub or local files; without a validation split,
-    --validation_split_percentage of train. --streaming: streams, this process's share of train only."""
+    """The train and validation splits (else --validation_split_percentage of train); streamed: this process's."""
     kwargs = dict(cache_dir=model_args.cache_dir, token=model_args.token, streaming=data_args.streaming)
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     if data_args.dataset_name is not None:
@@ -1055,9 +1030,8 @@ def load_raw_datasets(model_args, data_args):
 
 
 def text_file_stream(path, keep_linebreaks, shard_bytes=64 << 20):
-    """A text file streamed a row a line, as datasets' text loader reads it, in byte ranges (shards) of about
-    shard_bytes, their count a multiple of the process count: each process reads only its ranges, and a resume
-    re-reads at most one range up to its position."""
+    """A text file streamed a row a line, as datasets' text loader reads it, in byte ranges of about shard_bytes,
+    a multiple of the process count: each process reads only its own, and a resume re-reads at most one."""
     size, processes = os.path.getsize(path), jax.process_count()
     count, starts = processes * max(1, round(size / (shard_bytes * processes))), [0]
     with open(path, "rb") as f:
@@ -1065,29 +1039,27 @@ def text_file_stream(path, keep_linebreaks, shard_bytes=64 << 20):
             f.seek(size * i // count - 1)
             f.readline()  # a range starts where a line does
             starts.append(max(f.tell(), starts[-1]))
-    kwargs = dict(path=path, ranges=list(zip(starts, [*starts[1:], size])), keep_linebreaks=keep_linebreaks)
-    features = datasets.Features({"text": datasets.Value("string")})
-    return datasets.IterableDataset.from_generator(read_text_ranges, features=features, gen_kwargs=kwargs)
 
+    def read_lines(ranges):  # the lines that start in the byte `ranges`, a MiB read at a time
+        with open(path, "rb") as f:
+            for start, end in ranges:
+                f.seek(start)
+                while start < end:
+                    block = f.read(min(1 << 20, end - start))
+                    block += f.readline() if start + len(block) < end else b""
+                    start += len(block)
+                    try:
+                        text = block.decode().replace("\r\n", "\n").replace("\r", "\n")
+                    except UnicodeDecodeError as e:
+                        where = f"byte 0x{block[e.start]:02x} at offset {start - len(block) + e.start}"
+                        fail(
+                            f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
+                        )
+                    for line in text.splitlines(keep_linebreaks):
+                        yield {"text": line}
 
-def read_text_ranges(path, ranges, keep_linebreaks):
-    """The lines of `path` that start in its byte `ranges`, a MiB read at a time."""
-    with open(path, "rb") as f:
-        for start, end in ranges:
-            f.seek(start)
-            while start < end:
-                block = f.read(min(1 << 20, end - start))
-                block += f.readline() if start + len(block) < end else b""
-                start += len(block)
-                try:
-                    text = block.decode().replace("\r\n", "\n").replace("\r", "\n")
-                except UnicodeDecodeError as e:
-                    where = f"byte 0x{block[e.start]:02x} at offset {start - len(block) + e.start}"
-                    fail(
-                        f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
-                    )
-                for line in text.splitlines(keep_linebreaks):
-                    yield {"text": line}
+    ranges, features = list(zip(starts, [*starts[1:], size])), datasets.Features({"text": datasets.Value("string")})
+    return datasets.IterableDataset.from_generator(read_lines, features=features, gen_kwargs={"ranges": ranges})
 
 
 class StreamingSplits(dict):
@@ -1114,8 +1086,7 @@ def text_column(raw_datasets, data_args):
 
 
 def group_texts(examples, block_size):
-    """Concatenate all texts and cut them into blocks of block_size, dropping the remainder (a batch shorter than one
-    block is kept whole), exactly as upstream but in linear time."""
+    """The texts concatenated and cut into blocks of block_size, as upstream: the rest dropped, a short batch kept."""
     concatenated = {k: list(itertools.chain.from_iterable(examples[k])) for k in examples.keys()}
     total_length = len(concatenated[list(examples.keys())[0]])
     if total_length >= block_size:
@@ -1130,9 +1101,8 @@ def objective_settings(data_args):
 
 
 def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed, collator):
-    """What a saved data position means: the train files (size, and a hash of their first and last MiB), the dataset,
-    the tokenizer, the sequence length, the training rows, how a stream is read, the seed, the global batch and the
-    objective's resume_checks; checkpoints record it."""
+    """What a saved data position means, as checkpoints record it: the train files (size, and a hash of their first
+    and last MiB), dataset, tokenizer, length, rows, streams, seed, global batch and the objective's resume_checks."""
     files = {}
     for path in [data_args.train_file] if data_args.train_file else []:
         with open(path, "rb") as f:
@@ -1186,8 +1156,7 @@ def select_samples(dataset, data_args):
 
 
 def pad_rows(batch, num_rows, fill):
-    """The batch extended to `num_rows` rows of `fill` values (0 where none is given), so that every device gets a
-    full batch; an extra row carries no label and no attention."""
+    """The batch padded to `num_rows` rows of `fill` (else 0) carrying no label or attention: every device's full."""
     extra = num_rows - len(next(iter(batch.values())))
     pad = lambda k, v: np.full((extra,) + v.shape[1:], fill.get(k, 0), dtype=v.dtype)  # noqa: E731
     return {k: np.concatenate([v, pad(k, v)]) for k, v in batch.items()} if extra else batch
@@ -1207,9 +1176,8 @@ def epoch_batches(num_examples, batch_size, seed, epoch):
 
 
 def epoch_rows(run, progress):
-    """In memory: this process's rows of each global batch from `progress` on, each epoch's batches a permutation
-    drawn from (seed, epoch). Yields the rows' examples, noise seed, row ids, the position after the batch (epoch,
-    batch, None) and whether it ends its epoch."""
+    """In memory: this process's rows of each global batch from `progress` on, each epoch's a permutation drawn
+    from (seed, epoch): (examples, noise seed, row ids, the position after the batch, whether it ends its epoch)."""
     plan, seed, micro_batches = run.plan, run.args.seed, run.args.gradient_accumulation_steps
     for epoch in range(progress.epoch, plan.num_epochs):
         batches = epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, epoch)
@@ -1220,14 +1188,31 @@ def epoch_rows(run, progress):
 
 
 def stream_rows(run, progress):
-    """Streamed: this process's rows of each global batch, from `progress` on, read ahead on a thread
-    (stream_windows). Yields as epoch_rows does; the position is (pass, 0, where in the stream: the window, the
-    stream's state at its start and the rows taken from it). A pass's rows short of a batch are dropped."""
-    plan, args, processes = run.plan, run.args, jax.process_count()
+    """Streamed: this process's rows of each global batch from `progress` on, read ahead on a thread, as
+    epoch_rows gives them; the position: (pass, 0, the window, the stream's state at its start, rows taken from it)."""
+    plan, args, processes, dataset = run.plan, run.args, jax.process_count(), run.dataset["train"]
     need, size = plan.train_batch_size // processes, run.data["shuffle_buffer_size"]
     position = progress.stream or {"pass": 0, "window": 0, "state": None, "taken": 0}
+
+    def windows():  # pass after pass, windows of `size` rows shuffled by (seed, pass, window), each with its start
+        epoch, index, state = position["pass"], position["window"], position["state"]
+        while True:  # a window is rebuilt from the stream's state before it: state_dict keeps no shuffle buffer
+            dataset.load_state_dict(state)  # None: from the start
+            rows, count = iter(dataset), 0
+            try:
+                while window := list(itertools.islice(rows, size)):
+                    order = np.random.default_rng([args.seed, epoch, index]).permutation(len(window))
+                    yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
+                    index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
+            except UnicodeDecodeError as e:
+                fail(
+                    f"the training stream is not UTF-8 text ({e}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
+                )
+            yield None, {"pass": epoch, "rows": count}
+            epoch, index, state = epoch + 1, 0, None
+
     taken, examples, ids = position["taken"], [], []
-    for window, start in read_ahead(stream_windows(run.dataset["train"], position, size, args.seed)):
+    for window, start in read_ahead(windows()):
         if window is None:  # the pass ended after start["rows"] rows
             if start["rows"] < need:
                 fail(f"the training stream has {start['rows']} rows, fewer than this process's {need} of one batch")
@@ -1247,57 +1232,18 @@ def stream_rows(run, progress):
         taken = 0
 
 
-def stream_windows(dataset, position, size, seed):
-    """The stream from `position` on, pass after pass, in windows of `size` rows, each shuffled by (seed, pass,
-    window): yields (rows, their start: pass, window and the stream's state before it), and (None, {pass, rows})
-    where a pass ends. datasets' own shuffle buffer is not restored by its state_dict; a window is rebuilt."""
-    epoch, index, state = position["pass"], position["window"], position["state"]
-    while True:
-        dataset.load_state_dict(state)  # None: from the start
-        rows, count = iter(dataset), 0
-        try:
-            while window := list(itertools.islice(rows, size)):
-                order = np.random.default_rng([seed, epoch, index]).permutation(len(window))
-                yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
-                index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
-        except UnicodeDecodeError as e:
-            fail(f"the training stream is not UTF-8 text ({e}); convert it (e.g. iconv -f latin1 -t utf-8) and resume")
-        yield None, {"pass": epoch, "rows": count}
-        epoch, index, state = epoch + 1, 0, None
-
-
-def read_ahead(iterator, depth=1):
-    """`iterator`'s items, each made on a thread while the one before is used (reading and tokenizing beside the
-    train step); an error there is raised here. Closed, it ends the thread."""
-    ready, dropped = queue.Queue(depth), threading.Event()
-
-    def work():
-        try:
-            for item in iterator:
-                ready.put((item, None))
-                if dropped.is_set():
-                    return
-        except BaseException as e:  # noqa: BLE001 - fail()'s SystemExit too: raised in the main thread
-            ready.put((None, e))
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = ready.get()
-            if error is not None:
-                raise error
+def read_ahead(iterator):
+    """`iterator`'s items, each made on a thread while the one before is used; an error there is raised here.
+    Closed, it ends the thread once the item in the making is done (native code running at exit would abort)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        ahead = thread.submit(next, iterator, StopIteration)
+        while (item := ahead.result()) is not StopIteration:
+            ahead = thread.submit(next, iterator, StopIteration)
             yield item
-    finally:  # the item in the making is finished first: native code running at exit would abort the process
-        dropped.set()
-        with contextlib.suppress(queue.Empty):
-            ready.get_nowait()  # room for the one item the thread may still put
-        thread.join()
 
 
 def common_shapes(batch, pad_token_id):
-    """With several processes, each collating its own rows: every array padded to the largest shape any process
-    has (labels with -100, token ids with the pad token, masks and positions with 0)."""
+    """Across processes, every array padded to the largest shape (labels -100, ids the pad token, others 0)."""
     if jax.process_count() == 1:
         return batch
     dims = np.concatenate([np.asarray(value.shape[1:], np.int32) for value in batch.values()])
@@ -1308,31 +1254,6 @@ def common_shapes(batch, pad_token_id):
         widths = [(0, 0)] + [(0, int(t) - d) for t, d in zip(target, value.shape[1:], strict=True)]
         padded[name] = np.pad(value, widths, constant_values=fill)
     return padded
-
-
-def dump_noised_examples(dataset, collator, plan, training_args, tokenizer, count):
-    """The first `count` training rows, noised as the step sees them, to output_dir/noised_examples.jsonl: the row
-    before noise, the model input (trailing padding left out) and the batch's other arrays (labels with -100 kept,
-    masked-LM's masked_positions, ...), the first two decoded."""
-    path, seed, records = os.path.join(training_args.output_dir, "noised_examples.jsonl"), training_args.seed, []
-    for index, batch_rows in enumerate(epoch_batches(plan.num_train_examples, plan.train_batch_size, seed, 0)):
-        rows = np.sort(batch_rows)
-        examples = dataset[rows]
-        batch = collate_batch(collator, examples, (seed, 0), rows, len(rows))
-        for k, row in enumerate(rows[: count - len(records)]):
-            kept = np.flatnonzero(batch["input_ids"][k] != tokenizer.pad_token_id)
-            inputs = batch["input_ids"][k][: kept[-1] + 1 if len(kept) else 0].tolist()
-            original = examples["input_ids"][k]
-            record = dict(batch=index, row=int(row), original_ids=list(original), input_ids=inputs)
-            record.update({key: values[k].tolist() for key, values in batch.items() if key != "input_ids"})
-            records.append(
-                {**record, "original_text": tokenizer.decode(original), "input_text": tokenizer.decode(inputs)}
-            )
-        if len(records) == count:
-            break
-    if plan.process_index == 0:
-        Path(path).write_text("".join(json.dumps(record) + "\n" for record in records))
-        logger.info(f"wrote {len(records)} noised training rows to {path}; trained nothing (drop the flag to train)")
 
 
 # --- model and plan ----------------------------------------------------------------------------------------------
@@ -1393,9 +1314,8 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
 
 
 def init_model(model_class, config, path, model_args, training_args, abstract):
-    """A model of `model_class` and its parameters on the host, loaded from `path` or new from `config` by XLA:CPU
-    (XLA:GPU compiles T5's draws for minutes; the default device if JAX_PLATFORMS lacks cpu; abstract: shapes only).
-    --dtype bfloat16: an f32 model whose dense layers compute in bf16 (bf16_dense); _do_init=False: no weights kept."""
+    """A model and its parameters on the host, loaded from `path` or new from `config` by XLA:CPU (XLA:GPU compiles
+    T5's draws for minutes; abstract: shapes only); --dtype bfloat16: an f32 model computing in bf16 (bf16_dense)."""
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
     host = jax.local_devices(backend="cpu")[0] if "cpu" in (jax.config.jax_platforms or "cpu") else None
@@ -1412,9 +1332,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
 
 
 def load_pretrained(model_class, config, path, model_args, training_args, kwargs):
-    """A pretrained model and its parameters from `path` (a folder, or a hub name): its Flax weights, or else its
-    PyTorch ones (pytorch_model.bin or model.safetensors, whole or sharded), converted as transformers' from_pt does.
-    Weights of a smaller vocabulary (fit_objective added tokens) load at their size, then grow (grow_vocabulary)."""
+    """A pretrained model from `path`: its Flax weights, else its PyTorch ones converted; a vocabulary grown to fit."""
     hub = dict(cache_dir=model_args.cache_dir, token=model_args.token)
     names = [name for weights in WEIGHTS for name in (weights, f"{weights}.index.json")]
     maybe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False)
@@ -1440,16 +1358,20 @@ def load_pretrained(model_class, config, path, model_args, training_args, kwargs
         fail(f"cannot load the model {path!r}: its {found[0]} needs PyTorch to convert ({e}); pip install torch")
     except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
         fail(f"cannot load the model {path!r} ({type(e).__name__}: {first_line(e)}); is its weights file complete?")
-    if loaded is not config:
+    if loaded is not config:  # grown as resize_token_embeddings grows them: the new rows are a new model's
         model, fresh = init_model(model_class, config, None, model_args, training_args, abstract=False)
-        params = grow_vocabulary(config, params, fresh, saved)
+        fresh, params = traverse_util.flatten_dict(fresh), traverse_util.flatten_dict(params)
+        for name, old in params.items():  # every array with an axis of the old vocabulary (embeddings, head, bias)
+            for d in [d for d in range(old.ndim) if fresh[name].shape[d] != old.shape[d]][:1]:
+                params[name] = np.concatenate([old, np.split(fresh[name], [old.shape[d]], axis=d)[1]], axis=d)
+        params = traverse_util.unflatten_dict(params)
+        logger.info(f"the vocabulary grew from {saved} to {config.vocab_size} tokens: new embedding rows initialised")
     return model, params
 
 
 @contextlib.contextmanager
 def whole_safetensors(path, weights, hub):
-    """`path`, or a folder where its sharded model.safetensors is written whole (transformers' Flax loader reads only
-    a whole one): the shards are read into host memory, then written as one file, which is removed afterwards."""
+    """`path`, or a temporary folder with its sharded model.safetensors written whole (Flax loads only a whole one)."""
     if weights != "model.safetensors.index.json":
         yield path
         return
@@ -1462,24 +1384,6 @@ def whole_safetensors(path, weights, hub):
         safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         del tensors
         yield folder
-
-
-def grow_vocabulary(config, params, fresh, old_size):
-    """A pretrained model's parameters grown from old_size to config.vocab_size tokens (fit_objective added some), as
-    PyTorch's resize_token_embeddings grows them: every array with an axis of the old vocabulary (embeddings, an
-    untied head, its bias) keeps its rows, and the new rows are those of `fresh`, a new model's, on the host."""
-    fresh = traverse_util.flatten_dict(fresh)
-
-    def grow(name, old):
-        new = fresh[name]
-        axes = [d for d in range(new.ndim) if new.shape[d] != old.shape[d]]
-        if not axes:
-            return old
-        return np.concatenate([old, np.split(new, [old.shape[axes[0]]], axis=axes[0])[1]], axis=axes[0])
-
-    grown = {name: grow(name, old) for name, old in traverse_util.flatten_dict(params).items()}
-    logger.info(f"the vocabulary grew from {old_size} to {config.vocab_size} tokens: new embedding rows initialised")
-    return traverse_util.unflatten_dict(grown)
 
 
 @dataclass
@@ -1501,14 +1405,8 @@ class TrainingPlan:
 def plan_training(training_args, dataset, max_seq_length):
     args, devices, accumulation = training_args, jax.device_count(), training_args.gradient_accumulation_steps
     batch = f"{args.per_device_train_batch_size} per device x {devices} devices x {accumulation} accumulation steps"
-    plan = TrainingPlan(
-        make_mesh(args.fsdp),
-        devices,
-        jax.local_device_count(),
-        jax.process_index(),
-        args.per_device_train_batch_size * devices * accumulation,
-        args.per_device_eval_batch_size * devices,
-    )
+    rows = (args.per_device_train_batch_size * devices * accumulation, args.per_device_eval_batch_size * devices)
+    plan = TrainingPlan(make_mesh(args.fsdp), devices, jax.local_device_count(), jax.process_index(), *rows)
     for split, flag in (("train", "--do_train"), ("validation", "--do_eval")):
         if getattr(args, flag[2:]) and split not in dataset:
             fail(f"{flag} needs a {split} split and the data has none; give --{split}_file")
@@ -1554,20 +1452,15 @@ def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
 
 def decay_mask_fn(params):
     """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
-    flat_params = traverse_util.flatten_dict(params)
-    layer_norm_named_params = {
-        path[-2:]
-        for name in ("layernorm", "layer_norm", "ln")
-        for path in flat_params
-        if name in "".join(path).lower()
+    flat = traverse_util.flatten_dict(params)
+    norms = {
+        path[-2:] for path in flat if any(name in "".join(path).lower() for name in ("layernorm", "layer_norm", "ln"))
     }
-    flat_mask = {path: (path[-1] != "bias" and path[-2:] not in layer_norm_named_params) for path in flat_params}
-    return traverse_util.unflatten_dict(flat_mask)
+    return traverse_util.unflatten_dict({path: path[-1] != "bias" and path[-2:] not in norms for path in flat})
 
 
 def objective_means(sums):
-    """The mean of each of loss_sums' named (sum, count) pairs (a count of 0 divides by 1), and `loss`: the weighted
-    sum of the LOSS_TERMS means."""
+    """Each (sum, count) pair's mean (over at least 1), and `loss`: the LOSS_TERMS-weighted sum of those means."""
     means = {name: total / (count + (count == 0)) for name, (total, count) in sums.items()}
     return {**means, "loss": sum(weight * means[name] for name, weight in LOSS_TERMS.items())}
 
@@ -1580,9 +1473,8 @@ def token_sums(logits, labels, mask):
 
 
 def fit_attention(config, length):
-    """BigBird's block-sparse attention (its default) takes rows of a multiple of block_size tokens. Rows of at most
-    (5 + 2 * num_random_blocks) blocks attend in full instead, as PyTorch's BigBird does, and so does a decoder (its
-    block-sparse attention is not causal); the config saved says original_full."""
+    """BigBird's block-sparse attention takes rows of a multiple of block_size tokens; rows of at most (5 + 2 *
+    num_random_blocks) blocks, and a decoder's (not causal), attend in full, as PyTorch's BigBird does."""
     if getattr(config, "attention_type", None) != "block_sparse":
         return
     block = config.block_size
@@ -1602,28 +1494,23 @@ OFFSET_POSITION_MODELS = ("roberta", "roberta-prelayernorm", "xlm-roberta")
 
 
 def bound_length(requested, config, tokenizer):
-    """The sequence length: `requested` (--LENGTH_FLAG) or by default the model's positions, cut to the tokenizer's
-    maximum (with a warning when asked for more); a length beyond the model's positions is refused."""
+    """`requested` or the model's positions, cut to the tokenizer's maximum (warned); beyond the positions: refused."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
         positions -= (config.pad_token_id or 0) + 1
-    if requested is not None and requested > tokenizer.model_max_length:
-        logger.warning(
-            f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({tokenizer.model_max_length}); "
-            f"using {tokenizer.model_max_length}."
-        )
-    length = requested if requested is not None else positions or tokenizer.model_max_length
-    length = min(length, tokenizer.model_max_length)
+    most = tokenizer.model_max_length
+    if requested is not None and requested > most:
+        logger.warning(f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({most}); using {most}.")
+    length = min(requested if requested is not None else positions or most, most)
     if positions is not None and length > positions:
         fail(f"--{LENGTH_FLAG} {length} is longer than the model's {positions} positions")
     return length
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
-    """The model's logits, under the given flax method interceptors and, with --dtype bfloat16, bf16_dense. Only the
-    batch's keys that the model's __call__ names reach it (other keys, such as labels, are for loss_sums). Dropout is
-    switched on the way the model's __call__ takes it: `train`, or `deterministic` (OPT); in training, BigBird's
-    block-sparse attention draws its random blocks from an `indices_rng` derived from the dropout rng."""
+    """The model's logits under the given interceptors (and bf16_dense with --dtype bfloat16), given only the batch's
+    keys that its __call__ names, dropout switched as it takes it (`train` or `deterministic`), and BigBird's random
+    blocks from an `indices_rng` derived from the dropout rng."""
     takes = inspect.signature(model.__call__).parameters
     inputs = {name: value for name, value in batch.items() if name in takes}
     mode = {"train": train} if "train" in takes else {"deterministic": not train}
@@ -1743,235 +1630,18 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
-# --- --compile_topology: the steps compiled for a TPU slice or GPUs, on this machine -------------------------------
-# HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e),
-# by the device_kind libtpu reports; a chip's devices (two v2, v3 or v4 cores) share it.
-TPU_HBM_GIB = {"TPU v2": 16, "TPU v3": 32, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
-# The GPUs XLA's GPU compiler is given as targets, from NVIDIA's data sheets (SMs, FP32 lanes an SM, boost clock GHz,
-# memory GiB, bandwidth TB/s, L2 MiB) and the CUDA C++ Programming Guide's table of compute capabilities (shared
-# memory KiB an SM, the capability).
-GPUS = {
-    "h100": ("NVIDIA H100 80GB HBM3", 132, 128, 1.98, 80, 3.35, 50, 228, 9, 0),
-    "a100": ("NVIDIA A100-SXM4-80GB", 108, 64, 1.41, 80, 2.039, 40, 164, 8, 0),
-}
-
-
-def topology_devices(name):
-    """The devices of the TPU slice `name` (from libtpu: TPU_LIBRARY_PATH, or the libtpu package) or of `name`'s GPUs
-    (GPU[:COUNT], from jax's CUDA plugin), and one device's memory in bytes: no TPU or GPU needed."""
-    os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
-    jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
-    gpu, _, count = name.lower().partition(":")
-    names = "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, "
-    names += f"v6e:2x2, or GPUs as {' or '.join(GPUS)}[:COUNT]"
-    if gpu in GPUS:
-        return gpu_devices(gpu, count or "1")
-    if not re.fullmatch(r"v\d+[a-z]*(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
-        fail(f"--compile_topology {name} is neither a TPU slice nor a GPU this script knows; {names}")
-    if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
-        fail(
-            "--compile_topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
-            "bash run.sh setup-tpu and TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so"
-        )
-    quiet = dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v3-8", TPU_WORKER_HOSTNAMES="localhost")
-    quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
-    quiet["TPU_LOG_DIR"] = "disabled"  # not libtpu's files in /tmp/tpu_logs (up to 3 MB a compile); stderr as ever
-    for variable, value in quiet.items():  # no cloud metadata to ask, none needed to compile
-        os.environ.setdefault(variable, value)
-    try:
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
-    except Exception as e:  # noqa: BLE001 (libtpu raises XlaRuntimeError)
-        fail(f"--compile_topology {name}: {first_line(e).split(' and does not match')[0]}; {names}")
-    kind, chips = devices[0].device_kind, len({tuple(d.coords) for d in devices})
-    hbm = TPU_HBM_GIB.get(kind, 0) * chips / len(devices)
-    return devices, hbm * 2**30, f"{len(devices)} x {kind} ({chips} chips, {hbm:.1f} GiB of HBM a device)"
-
-
-def gpu_devices(gpu, count):
-    """`count` GPUs of one host, compile-only, from a target description written from GPUS' figures."""
-    if not (importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12")):
-        fail(
-            f"--compile_topology {gpu} needs jax's CUDA plugin (no GPU or CUDA needed): pip install "
-            "jax-cuda12-plugin==0.9.2 jax-cuda12-pjrt==0.9.2, or bash run.sh setup-gpu and PYTHONPATH=.libgpu"
-        )
-    if not count.isdigit() or int(count) < 1:
-        fail(f"--compile_topology {gpu}:{count}: name GPUs as {gpu} or {gpu}:COUNT, such as {gpu}:8")
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA libraries: nothing runs
-    kind, sms, lanes, ghz, gib, bandwidth, l2, shared, major, minor = GPUS[gpu]
-    info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=48 * 1024)
-    info.update(shared_memory_per_core=shared * 1024, shared_memory_per_block_optin=(shared - 1) * 1024)
-    info.update(threads_per_core_limit=2048, core_count=sms, fpus_per_core=lanes, block_dim_limit_x=2**31 - 1)
-    info.update(block_dim_limit_y=65535, block_dim_limit_z=65535, memory_bandwidth=int(bandwidth * 1e12))
-    info.update(l2_cache_size=l2 * 2**20, clock_rate_ghz=ghz, device_memory_size=gib * 2**30)
-    info.update(registers_per_core_limit=65536, registers_per_block_limit=65536)
-    target = " ".join(f"{k}: {v}" for k, v in info.items())
-    target = f"gpu_device_info {{ {target} cuda_compute_capability {{ major: {major} minor: {minor} }} }} "
-    target += f'platform_name: "CUDA" device_description_str: "{kind}"'
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target, topology=f"1x1x{count}")
-    return topology.devices, gib * 2**30, f"{count} x {kind} ({gib:.1f} GiB of HBM a device)"
-
-
-def compile_for_topology(model_args, data_args, training_args):
-    """--compile_topology: the train step (--do_train) and eval step (--do_eval) this run would execute, compiled for
-    a TPU slice or GPUs on this machine, with the same model, --dtype, --fsdp, accumulation and batch shapes; per device, the
-    memory XLA plans against the chip's HBM, its matrix products' FLOPs and XLA's time estimate. Reads the config and
-    tokenizer and tokenizes a few lines of its own: no data. Exits 1 when a step does not fit."""
-    args, micro = training_args, training_args.gradient_accumulation_steps
-    if not (args.do_train or args.do_eval):
-        fail("nothing to compile: pass --do_train and/or --do_eval")
-    validate_objective(data_args)
-    config, tokenizer = load_config_and_tokenizer(model_args, args.gradient_checkpointing)
-    max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
-    fit_attention(config, max_seq_length)
-    devices, hbm, what = topology_devices(args.compile_topology)
-    train_rows, eval_rows = (
-        len(devices) * args.per_device_train_batch_size,
-        len(devices) * args.per_device_eval_batch_size,
-    )
-    rows = synthetic_rows(data_args, tokenizer, max_seq_length, max(train_rows * micro, eval_rows))
-    mesh, total_steps = make_mesh(args.fsdp, devices), max(args.max_steps, 1)
-    plan = TrainingPlan(mesh, len(devices), len(devices), 0, train_rows * micro, eval_rows, total_steps=total_steps)
-    collator = build_collator(data_args, config, tokenizer, max_seq_length, rows)
-    model, state, schedule = build_train_state(model_args, args, config, plan, abstract=True)
-    bf16, seed, steps = model_args.dtype == "bfloat16", args.seed, {}
-    abstract = lambda batch, spec: {  # noqa: E731
-        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)) for k, x in batch.items()
-    }
-    if args.do_train:
-        batch = collate_batch(
-            collator,
-            rows["train"][: plan.train_batch_size],
-            (seed, 0),
-            np.arange(plan.train_batch_size),
-            plan.train_batch_size,
-        )
-        batch = {k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}
-        step = make_train_step(model, schedule, bf16, seed, state)
-        steps["train"] = (step, (state, abstract(batch, PartitionSpec(None, ("replica", "fsdp")))))
-    if args.do_eval:
-        batch = collate_batch(collator, rows["train"][:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
-        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-        steps["eval"] = (
-            make_eval_step(model, bf16, seed),
-            (state.params, abstract(batch, PartitionSpec(("replica", "fsdp"))), index),
-        )
-    logger.info(
-        f"Compiling for {args.compile_topology}: {what}, --{LENGTH_FLAG} {max_seq_length}, --dtype {model_args.dtype}"
-        f"{', --fsdp ' + args.fsdp if args.fsdp else ''}"
-    )
-    held = jax.tree.leaves(state if args.do_train else state.params)
-    state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in held)
-    if hbm and state_bytes > hbm:
-        fail(
-            f"the {'train state' if args.do_train else 'model'} alone is {state_bytes / 2**30:.2f} GiB a device, more "
-            f"than its {hbm / 2**30:.1f} GiB of "
-            "HBM: use --fsdp full_shard, more devices or a smaller model"
-        )
-    too_big = []
-    for name, (step, inputs) in steps.items():
-        too_big += compile_report(name, step, inputs, hbm)
-    base = transformers.FlaxPreTrainedModel.enable_gradient_checkpointing  # not every Flax model overrides it
-    more = ["--fsdp full_shard"] * (not args.fsdp) + ["--gradient_checkpointing"] * (
-        type(model).enable_gradient_checkpointing is not base and not args.gradient_checkpointing
-    )
-    if too_big:  # the remedies this run does not use yet and its model allows
-        fail("; ".join(too_big) + ": lower the batch, or add " + ", ".join(["--gradient_accumulation_steps", *more]))
-
-
-def synthetic_rows(data_args, tokenizer, max_seq_length, count):
-    """At least `count` rows made by preprocess from lines of plain words, each line longer than a row: the shapes
-    a run's batches have, without reading its data."""
-    words = "the quick brown fox jumps over the lazy dog .".split()
-    line = " ".join(words * (2 * max_seq_length // len(words) + 1))
-    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [line] * count})})
-    logging.disable(logging.WARNING)  # such lines are cut or packed on purpose
-    datasets.disable_progress_bars()
-    try:
-        return preprocess(
-            raw, replace(data_args, preprocessing_num_workers=None, streaming=False), tokenizer, max_seq_length
-        )
-    finally:
-        logging.disable(logging.NOTSET)
-        datasets.enable_progress_bars()
-
-
-def compile_report(name, step, inputs, hbm):
-    """Compile one step for the slice and log, per device, its memory, the FLOPs of its matrix products and XLA's
-    time estimate; returns [] or the line that says by how much it does not fit."""
-    started = time.perf_counter()
-    try:
-        traced = step.trace(*inputs)
-        compiled = traced.lower().compile()
-    except Exception as e:  # noqa: BLE001 (JaxRuntimeError)
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        used = re.search(r"[Uu]sed ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm.*?by ([0-9.]+[KMGT]?)", str(e), re.S)
-        what = f"needs {used[1]} of a device's {used[2]} HBM, {used[3]} more" if used else first_line(e)[:200]
-        return [f"the {name} step does not fit: XLA:TPU {what}"]
-    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None from the GPU compiler
-    state = memory.argument_size_in_bytes
-    total = state + memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-    devices = jax.tree.leaves(inputs)[0].sharding.mesh.size
-    flops, once = (matmul_flops(traced.jaxpr.jaxpr, loops) / devices for loops in (True, False))
-    seconds = cost.get("optimal_seconds", 0) * flops / max(once, 1)  # XLA counts a loop's body once: scaled
-    tokens = math.prod(inputs[1]["input_ids"].shape)
-    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
-    share = f"of {size(hbm)} ({100 * total / hbm:.1f} %)" if hbm else "(this chip's HBM is not in TPU_HBM_GIB)"
-    estimate = (  # libtpu gives tiny programs a negative optimal_seconds on some chips (v5e); the GPU compiler none
-        f"XLA's estimate {1e3 * seconds:,.2f} ms a step, {tokens / seconds:,.0f} tokens/s over the slice"
-        if seconds > 0
-        else f"no time estimate from XLA (optimal_seconds {cost.get('optimal_seconds')})"
-        if cost
-        else "no time estimate from XLA for this target"
-    )
-    logger.info(
-        f"{name} step, per device: arguments {size(state)}, temporaries {size(memory.temp_size_in_bytes)}, total "
-        f"{size(total)} {share}; {flops / 1e9:,.1f} GFLOP of matrix products; {estimate} "
-        f"(compiled in {time.perf_counter() - started:.0f} s)"
-    )
-    if hbm and total > hbm:  # XLA:TPU refuses such a program itself (above); XLA's GPU compiler does not
-        return [
-            f"the {name} step does not fit: it needs {size(total)} of a device's {size(hbm)}, {size(total - hbm)} more"
-        ]
-    return []
-
-
-def matmul_flops(jaxpr, loops=True):
-    """The FLOPs of a jaxpr's matrix products (two a multiply-add) whose results are used, a scan's body times its
-    length; loops=False counts every loop's body once, as XLA's cost analysis does (its FLOPs and time estimate miss
-    the micro-batches after the first, and the chunks of CLM's head after the first)."""
-    total, used = 0, {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if not (eqn.effects or used.intersection(eqn.outvars)):
-            continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
-        used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-        if eqn.primitive.name == "dot_general":
-            (contracted, _), _ = eqn.params["dimension_numbers"]
-            shape = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
-        times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple) else (value,):
-                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
-                    total += times * matmul_flops(getattr(inner, "jaxpr", inner), loops)
-    return total
-
-
 # --- memory ----------------------------------------------------------------------------------------------------
 
 
 def save_all_but_transcendentals(primitive, *_, **__):
-    """A jax.checkpoint policy: keep every intermediate value but those of erf, erfc, exp, tanh, logistic (GELU's,
-    softmax's), which the backward pass recomputes in a few elementwise passes instead of holding them."""
+    """A jax.checkpoint policy: keep every value but those of erf, erfc, exp, tanh, logistic (recomputed backward)."""
     return primitive.name not in ("erf", "erfc", "exp", "tanh", "logistic")
 
 
 def as_sharded(tree, shardings, whole=False):
-    """`tree` held as `shardings` say, or with whole=True each split array whole on every device (replicated arrays
-    are left alone). --fsdp's step gathers the parameters whole for its passes and splits each gradient back as its
-    parameter is: left to itself, XLA split some products along the model's width rather than the batch's rows and
-    held activations of the global batch on every device (benchmarks/README.md, 2026-11-26 05:00)."""
+    """`tree` as `shardings` say, or (whole=True) each split array whole on every device. --fsdp's step gathers the
+    parameters for its passes and splits each gradient back: left to itself, XLA split some products along the
+    model's width and held the global batch's activations on every device (benchmarks/README.md, 2026-11-26 05:00)."""
 
     def constrain(x, sharding):
         if sharding.is_fully_replicated:
@@ -1983,8 +1653,7 @@ def as_sharded(tree, shardings, whole=False):
 
 @functools.cache  # one listener per process, however often main() runs
 def release_compiler_memory():
-    """Call glibc's malloc_trim after every XLA compilation, so that the compiler's freed working memory goes back
-    to the OS instead of staying under the train step's buffers (a no-op where the C library is not glibc)."""
+    """glibc's malloc_trim after each XLA compilation: the compiler's freed memory goes back to the OS."""
     try:
         malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -2008,9 +1677,8 @@ def make_mesh(fsdp, devices=None):
 
 
 def state_shardings(state, mesh, fsdp):
-    """Where each array of `state` lives: replicated for data parallelism; with --fsdp, an array of more than 2**14
-    elements is split over the "fsdp" axis along its largest dimension that the axis divides (small ones, and ones
-    no dimension of which it divides, stay replicated)."""
+    """Where each array of `state` lives: replicated, or with --fsdp an array of more than 2**14 elements split over
+    "fsdp" along its largest dimension that the axis divides (replicated if none does)."""
 
     def rule(x):
         fits = [d for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]) if x.shape[d] % mesh.shape["fsdp"] == 0]
@@ -2021,9 +1689,8 @@ def state_shardings(state, mesh, fsdp):
 
 
 def global_batch(batch, plan, micro_batches=None):
-    """A global batch as arrays sharded by rows over every device, each process placing only its own rows. Training
-    (micro_batches): from the rows this process collated, shaped [micro-batches, rows, ...], each micro-batch's rows
-    in one block a process; evaluation: from the whole batch, which every process collates."""
+    """A global batch sharded by rows over every device, each process placing only its own rows: in training
+    (micro_batches) those it collated, each micro-batch's in one block a process; in evaluation its share of all."""
     rows, processes = PartitionSpec(("replica", "fsdp")), jax.process_count()
     if micro_batches:
         sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows))
@@ -2051,9 +1718,8 @@ class TrainingProgress:
 
 @dataclass
 class Loop:
-    """The loop's bookkeeping, not saved: metrics not yet fetched, this process's tokens, the step's FLOPs and
-    batch shapes, the last evaluation, and the log window: its start, steps and tokens (evaluation and saving are
-    left out of its time)."""
+    """The loop's bookkeeping, not saved: pending metrics, this process's tokens, the step's FLOPs and batch shapes,
+    the last evaluation, and the log window (start, steps, tokens; evaluating and saving paused out of it)."""
 
     first_step: int
     started: float = field(default_factory=time.perf_counter)
@@ -2072,15 +1738,14 @@ class Loop:
 
 
 def timed_step(train_step, state, batch, loop):
-    """One train step, its tokens counted. The first also counts the step's FLOPs and logs its time, compilation
-    included (the log window starts after it); a batch of new shapes compiles the step again, which is logged."""
+    """One train step, its tokens counted; the first also counts its FLOPs and logs its time; a recompile is logged."""
     shapes, tokens = {name: value.shape for name, value in batch.items()}, batch["input_ids"].size
     loop.tokens, loop.window[1], loop.window[2] = loop.tokens + tokens, loop.window[1] + 1, loop.window[2] + tokens
-    if loop.shapes and shapes not in loop.shapes:
-        changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
-        logger.info(f"the train step compiles again, for new batch shapes: {changed}")
     if loop.shapes:
-        loop.shapes += [shapes] if shapes not in loop.shapes else []
+        if shapes not in loop.shapes:
+            changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
+            logger.info(f"the train step compiles again, for new batch shapes: {changed}")
+            loop.shapes.append(shapes)
         return train_step(state, batch)
     loop.shapes.append(shapes)
     loop.flops = matmul_flops(train_step.trace(state, batch).jaxpr.jaxpr)  # one step's, over all devices
@@ -2092,20 +1757,38 @@ def timed_step(train_step, state, batch, loop):
     return state, metrics
 
 
+def matmul_flops(jaxpr, loops=True):
+    """The FLOPs of a jaxpr's used matrix products (two a multiply-add), a scan's body times its length; loops=False
+    counts a loop's body once, as XLA's cost analysis does (its estimate misses micro-batches and CLM's chunks)."""
+    total, used = 0, {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if not (eqn.effects or used.intersection(eqn.outvars)):
+            continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
+        used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
+        times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr | jax.extend.core.Jaxpr):
+                    total += times * matmul_flops(getattr(inner, "jaxpr", inner), loops)
+    return total
+
+
 def fetch_metrics(loop, progress):
-    """Bring the pending steps' metrics to the host, in order, into the log window and the run's loss sum; stop at
-    the first non-finite loss or gradient, before it can reach a checkpoint. Returns the last step's means."""
+    """The pending steps' metrics into the log window, in order (a non-finite loss stops); the last step's means."""
     metrics = None
     for step, step_metrics in loop.pending:
         step_metrics = jax.tree.map(float, step_metrics)
         sums = {name: list(pair) for name, pair in step_metrics.pop("sums").items()}
         metrics = {**objective_means(sums), **step_metrics}
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            stop_diverged(
-                step, f"the training loss is {metrics['loss']} (gradient norm {metrics['grad_norm']})", progress
-            )
+        loss, norm = metrics["loss"], metrics["grad_norm"]
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            stop_diverged(step, f"the training loss is {loss} (gradient norm {norm})", progress)
         progress.log_window.append(sums)
-        progress.loss_sum += metrics["loss"]
+        progress.loss_sum += loss
     loop.pending.clear()
     return metrics
 
@@ -2119,9 +1802,8 @@ def stop_diverged(step, what, progress):
 
 
 def log_training(progress, metrics, plan, loop, peak_tflops, writer):
-    """One line and TensorBoard scalars: the objective's means over the tokens since the last line (sums and counts
-    added over its steps), the last step's learning rate and gradient norm, and the throughput of the steps timed
-    since then (none if the only one compiled)."""
+    """One line and TensorBoard scalars: the objective's means over the tokens since the last line, the last
+    step's learning rate and gradient norm, and the throughput of the steps timed since (none if only one compiled)."""
     window = progress.log_window
     means = objective_means({name: [sum(step[name][i] for step in window) for i in (0, 1)] for name in window[0]})
     progress.log_window = []
@@ -2149,8 +1831,7 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
 
 
 def train_summary(plan, progress, loop):
-    """The Trainer's train metrics: the loss and FLOPs of every step since the run began (resumes included), the
-    speeds of this process's steps."""
+    """The Trainer's train metrics: loss and FLOPs of every step since the run began, this process's speeds."""
     runtime, steps = time.perf_counter() - loop.started, progress.global_step - loop.first_step
     metrics = {
         "train_loss": progress.loss_sum / progress.global_step if steps else float("nan"),
@@ -2174,8 +1855,7 @@ def train_summary(plan, progress, loop):
 
 
 class CheckpointNames(ocp.step.NameFormat):
-    """Orbax's step folders under the Trainer's names, checkpoint-N. Orbax writes each into a temporary folder
-    renamed when complete; only complete ones are found."""
+    """Orbax's step folders under the Trainer's name, checkpoint-N; only complete ones (renamed when done) found."""
 
     def build_name(self, step):
         return f"checkpoint-{step}"
@@ -2197,26 +1877,17 @@ def complete_checkpoint(path):
 
 
 def checkpoint_manager(directory, save_total_limit=None, writes=False):
-    """Orbax's CheckpointManager over the checkpoint-N folders of `directory`: the train state and the training
-    progress (JSON) in each. One that writes removes the incomplete folders a killed run left first, and keeps the
-    newest --save_total_limit."""
-    return ocp.CheckpointManager(
-        os.path.abspath(directory),  # Orbax takes absolute paths only
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "trainer_state": ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=save_total_limit,
-            step_name_format=CheckpointNames(),
-            create=writes,
-            cleanup_tmp_directories=writes,
-            enable_async_checkpointing=False,
-            save_root_metadata=False,
-        ),
-    )
+    """Orbax's CheckpointManager of the checkpoint-N folders of `directory` (train state, progress as JSON); one
+    that writes first removes what a killed run left incomplete, and keeps the newest --save_total_limit."""
+    handlers = {"state": ocp.StandardCheckpointHandler(), "trainer_state": ocp.JsonCheckpointHandler()}
+    options = dict(max_to_keep=save_total_limit, step_name_format=CheckpointNames(), create=writes)
+    options.update(cleanup_tmp_directories=writes, enable_async_checkpointing=False, save_root_metadata=False)
+    options = ocp.CheckpointManagerOptions(**options)
+    return ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers, options=options)  # absolute only
 
 
 def find_checkpoint(training_args, model_args):
-    """The checkpoints to resume from, newest first (restore_checkpoint takes the first that restores), or None;
-    refuses, before any long work, to write into an output_dir that holds another run's files."""
+    """The checkpoints to resume from, newest first, or None; refuses an output_dir that holds another run's files."""
     output_dir, resume = training_args.output_dir, (training_args.resume_from_checkpoint or "false").lower()
     complete = sorted((m.step, str(m.path)) for m in CheckpointNames().find_all(output_dir))
     for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
@@ -2229,12 +1900,10 @@ def find_checkpoint(training_args, model_args):
         if not (re.fullmatch(r"checkpoint-\d+", Path(path).name) and complete_checkpoint(path)):
             fail(f"--resume_from_checkpoint {path} is not a complete checkpoint-N folder written by this script")
         return [path]
-    if resume == "true" and not complete:
-        fail(
+    if resume == "true":
+        return [path for _, path in reversed(complete)] or fail(
             f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
         )
-    if resume == "true":
-        return [path for _, path in reversed(complete)]
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
     if training_args.do_train and complete:
@@ -2271,9 +1940,8 @@ def open_checkpoints(training_args, fresh_start):
 
 
 def save_checkpoint(state, progress, run):
-    """checkpoint-{step}: the train state and the data position (the manager drops the oldest beyond
-    --save_total_limit); then the model in from_pretrained form in output_dir, and the hub repository updated.
-    Returns its path."""
+    """checkpoint-{step} (train state, data position; the oldest beyond --save_total_limit dropped), then the model
+    in from_pretrained form in output_dir and the hub repository updated; returns its path."""
     output_dir, step = run.args.output_dir, progress.global_step
     if step in run.checkpoints.all_steps():  # a damaged one, skipped on resume
         run.checkpoints.delete(step)
@@ -2283,8 +1951,7 @@ def save_checkpoint(state, progress, run):
     path = os.path.join(output_dir, f"checkpoint-{step}")
     last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
     last = last or "no checkpoint is complete"
-    # The checkpoint and the weights in from_pretrained form; checked first: Orbax's writer threads do not stop
-    # cleanly on a full disk.
+    # The checkpoint and the model's weights, checked first: Orbax's writer threads do not stop on a full disk.
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
     free = shutil.disk_usage(output_dir).free
     if free < 1.1 * needed + (1 << 20):
@@ -2292,30 +1959,29 @@ def save_checkpoint(state, progress, run):
             f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
             "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
-    progress_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
-    progress_state["stream"] = progress.stream and gather_json(progress.stream)  # every process's position
-    schedule = [run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate]  # a resume warns of another
-    trainer_state = dict(progress_state, objective=run.objective, data=run.data, schedule=schedule)
+    trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
+    trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
+    trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
     try:
-        run.checkpoints.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state)
-            ),
-            force=True,
-        )
+        save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
+        run.checkpoints.save(step, args=save, force=True)
         params = multihost_utils.process_allgather(state.params, tiled=True)  # every process takes part
-        if jax.process_index() == 0:
-            save_pretrained(run.model, params, run.tokenizer, output_dir)
+        if jax.process_index() == 0:  # moved in from a folder of this run's own: a crash mid-save leaves the last
+            tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
+            save_model(run.model, params, tmp_dir)
+            run.tokenizer.save_pretrained(tmp_dir)
+            for name in os.listdir(tmp_dir):
+                if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
+                    shutil.rmtree(os.path.join(output_dir, name))
+                os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
+            os.rmdir(tmp_dir)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
         fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
     if jax.process_index() == 0 and run.hub is not None:
         api, repo_id, token = run.hub
         message = f"Saving weights and logs of step {step}"
-        api.upload_folder(
-            commit_message=message, folder_path=output_dir, repo_id=repo_id, repo_type="model", token=token
-        )
+        api.upload_folder(repo_id=repo_id, folder_path=output_dir, commit_message=message, token=token)
     return path
 
 
@@ -2327,23 +1993,9 @@ def gather_json(value):
     return [json.loads(bytes(row)) for row in rows]
 
 
-def save_pretrained(model, params, tokenizer, output_dir):
-    """The model (save_model) and tokenizer in from_pretrained form, written into output_dir entry by entry through a
-    temporary folder of this run's own, so that a crash mid-save leaves the previous files readable."""
-    tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
-    save_model(model, params, tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    for name in os.listdir(tmp_dir):
-        if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
-            shutil.rmtree(os.path.join(output_dir, name))
-        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
-    os.rmdir(tmp_dir)
-
-
 def restore_checkpoint(paths, abstract_state, run):
-    """The train state and training progress of the first of `paths` that restores (a damaged one is skipped with a
-    line, unless --resume_from_checkpoint names it), checked against this run: the same model shapes, and the same
-    data position (data_fingerprint), unless --ignore_data_skip; other objective settings only get a warning."""
+    """The state and progress of the first of `paths` that restores (a damaged one is skipped, unless named), checked
+    against this run: the model's shapes and, unless --ignore_data_skip, the data position; other settings warn."""
     for path in paths:
         try:
             state, saved = read_checkpoint(path, abstract_state)
@@ -2356,33 +2008,26 @@ def restore_checkpoint(paths, abstract_state, run):
             logger.warning(f"skipping {path}: damaged ({e})")
     else:
         fail(f"no checkpoint in {run.args.output_dir} can be restored; start afresh with --overwrite_output_dir")
-    progress = TrainingProgress(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "log_window")})
-    progress.loss_sum = saved.get("loss_sum", float("nan"))  # nan: written before checkpoints held it
-    # A window of per-step means (written before the window held sums) is not added to: its line starts afresh.
-    progress.log_window = [step for step in progress.log_window if all(isinstance(v, list) for v in step.values())]
-    progress.last_checkpoint, plan = path, run.plan
-    changed = ", ".join(
-        f"{k} {v} -> {run.data.get(k)}" for k, v in saved.get("data", {}).items() if run.data.get(k) != v
-    )
+    names = ("global_step", "epoch", "batch_in_epoch", "log_window", "loss_sum", "stream")
+    progress, plan = TrainingProgress(**{k: saved[k] for k in names}, last_checkpoint=path), run.plan
+    progress.stream = progress.stream and progress.stream[plan.process_index]  # every process's position is saved
+    changed = ", ".join(f"{k} {v} -> {run.data.get(k)}" for k, v in saved["data"].items() if run.data.get(k) != v)
     if changed and not run.args.ignore_data_skip:
         fail(
             f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
             "data, tokenizer, length, seed, global batch and resume_checks that wrote it, or add --ignore_data_skip to start its "
             "epoch afresh"
         )
-    progress.stream = saved.get("stream") and saved["stream"][plan.process_index]
     if changed:
         logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
         progress.batch_in_epoch, progress.stream = 0, None
-    changed = [
-        f"--{k} {v} -> {run.objective.get(k)}" for k, v in saved["objective"].items() if run.objective.get(k) != v
-    ]
-    if changed:
+    objective = run.objective
+    if changed := [f"--{k} {v} -> {objective.get(k)}" for k, v in saved["objective"].items() if objective.get(k) != v]:
         logger.warning(
             f"{path} was written with other objective settings; going on with this run's: {', '.join(changed)}"
         )
     schedule = [plan.total_steps, run.args.warmup_steps, run.args.learning_rate]
-    if saved.get("schedule", schedule) != schedule:
+    if saved["schedule"] != schedule:
         logger.warning(
             f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: {saved['schedule']} "
             f"-> {schedule}): the rate at step {progress.global_step} changes at once"
@@ -2397,8 +2042,7 @@ def restore_checkpoint(paths, abstract_state, run):
 
 
 def read_checkpoint(path, abstract_state):
-    """The train state and trainer state of the checkpoint `path`; ValueError names a missing or damaged part. A
-    model of other shapes is refused (Orbax would restore the saved shapes)."""
+    """A checkpoint's train state and trainer state; ValueError names a damaged part; other shapes are refused."""
     manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
     parts = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "trainer_state/metadata")
     missing = [part for part in parts if not os.path.isfile(os.path.join(path, part))]
@@ -2441,14 +2085,10 @@ def quiet_closed_loop_tracebacks():
 
 
 def write_results(output_dir, split, metrics, merge=True):
-    """{split}_results.json and the merged all_results.json, as the Trainer's save_metrics writes them; atomically,
-    with non-finite numbers as null (JSON has none)."""
+    """{split}_results.json and all_results.json as the Trainer writes them: atomically, non-finite as null."""
     all_results = os.path.join(output_dir, "all_results.json")
     merged = json.loads(Path(all_results).read_text()) if merge and os.path.exists(all_results) else {}
-    for path, values in (
-        (os.path.join(output_dir, f"{split}_results.json"), metrics),
-        (all_results, {**merged, **metrics}),
-    ):
+    for path, values in ((f"{output_dir}/{split}_results.json", metrics), (all_results, {**merged, **metrics})):
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
         if jax.process_index() == 0:
             Path(f"{path}.tmp").write_text(json.dumps(clean, indent=4, sort_keys=True))
@@ -2456,8 +2096,7 @@ def write_results(output_dir, split, metrics, merge=True):
 
 
 def open_summary_writer(training_args):
-    """TensorBoard events in output_dir/runs/<date>_<host>, the Trainer's folder: a rerun never merges its curves
-    into an earlier run's."""
+    """TensorBoard events in output_dir/runs/<date>_<host>, the Trainer's folder: a rerun never merges into another."""
     if training_args.report_to == "none" or jax.process_index() != 0:
         return None
     hidden = sys.modules.setdefault("torch", None) is None  # tensorboardX imports torch (1 s) only for its tensors
@@ -2474,7 +2113,7 @@ def open_summary_writer(training_args):
 
 
 def open_hub_repo(training_args):
-    """(api, repo id, token) of the repository --push_to_hub uploads to (validate_args checked the hub is reachable)."""
+    """(api, repo id, token) of the repository --push_to_hub uploads to (validate_args checked the hub answers)."""
     if not training_args.push_to_hub or jax.process_index() != 0:
         return None
     from huggingface_hub import HfApi

@@ -401,7 +401,7 @@ LONGEST_FIRST = (
 def compilation_cache(tmp_path_factory):
     """One persistent XLA compilation cache for the suite's run (both pytest-xdist workers, every script they start):
     a program compiled once, such as the step of a run and of its resumed copy, is loaded the next time. The cache
-    holds what XLA compiled, so results are those of a fresh compile; --compile_topology's runs keep it off."""
+    holds what XLA compiled, so results are those of a fresh compile; flax/train_compile.py's runs keep it off."""
     base = tmp_path_factory.getbasetemp()
     path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
     settings = dict(compilation_cache_dir=path, compilation_cache_max_size=2**32)  # 4 GiB: kept under a file lock

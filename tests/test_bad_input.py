@@ -345,7 +345,7 @@ def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
 
 def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
     """--streaming without --max_steps, evaluating without --validation_file (a stream has no percentage to split
-    off, with files or a dataset of no validation split), with --dump_noised_examples (in memory only), with windows
+    off, with files or a dataset of no validation split), with flax/dump_noised_examples.py (in memory), with windows
     of 0 rows: one line each, nothing written."""
     out, train, folder = tmp_path / "out", corpus / "train_slice.txt", tmp_path / "train_only"
     folder.mkdir()
@@ -356,7 +356,10 @@ def test_streaming_without_what_a_stream_needs(request, corpus, tmp_path):
         (dataset, "--do_eval needs a validation split and the data has none; give --validation_file"),
         (mlm(request, corpus, out, "--streaming", "--max_steps", "-1"), "--streaming needs --max_steps"),
         (mlm(request, corpus, out, "--streaming", train=train), "--streaming with --do_eval needs --validation_file"),
-        (mlm(request, corpus, out, "--streaming", "--dump_noised_examples", "2"), "leave out --streaming"),
+        (
+            ["flax/dump_noised_examples.py", MLM, "--", *mlm(request, corpus, out, "--streaming")[1:]],
+            "leave out --streaming",
+        ),
         (
             mlm(request, corpus, out, "--streaming", "--shuffle_buffer_size", "0"),
             "--shuffle_buffer_size must be positive",

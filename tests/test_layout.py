@@ -85,6 +85,20 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
         )
 
 
+def test_flax_training_scripts_keep_their_reading_path_and_machinery_short():
+    """In each of the four (ruff-formatted) Flax training scripts, the reading path (from the start of the file to
+    the shared machinery's banner) is at most 750 lines, and the machinery (from the banner to the end) at most
+    1,400: what a training run does not need lives in the tools beside them (flax/train_compile.py,
+    flax/dump_noised_examples.py)."""
+    from conftest import FLAX_TRAINING_SCRIPTS
+
+    for path in FLAX_TRAINING_SCRIPTS:
+        lines = open(os.path.join(ROOT, path)).read().splitlines()
+        banner = next(i for i, line in enumerate(lines) if line.startswith("# === shared machinery"))
+        assert banner <= 750, f"{path}: the reading path has {banner} lines, more than 750"
+        assert len(lines) - banner <= 1400, f"{path}: the machinery has {len(lines) - banner} lines, more than 1,400"
+
+
 def test_every_script_tells_bf16_support_with_the_same_function():
     """cpu_bf16 (what the CPU's flags say of bf16) is one text in every script that needs it, and run_bert_flax.py
     shares the Flax scripts' whole bf16 block."""

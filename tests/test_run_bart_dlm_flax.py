@@ -28,7 +28,7 @@ bart = load_script(SCRIPT, "run_bart_dlm_flax")
 
 @pytest.fixture(scope="module")
 def blocks(bart_dir, corpus, tmp_path_factory):
-    """3,000 real blocks of 128 tokens (PTB, as the script packs them), from --dump_noised_examples."""
+    """3,000 real blocks of 128 tokens (PTB, as the script packs them), from flax/dump_noised_examples.py."""
     out = tmp_path_factory.mktemp("dump")
     args = script_args(
         SCRIPT,
@@ -41,13 +41,11 @@ def blocks(bart_dir, corpus, tmp_path_factory):
         "--per_device_train_batch_size",
         "64",
         "--do_train",
-        "--dump_noised_examples",
-        "3000",
         "--mask_random",
         "0",
     )
     args[args.index("--train_file") + 1] = str(corpus / "train.txt")
-    check_ok(run(args))
+    check_ok(run(["flax/dump_noised_examples.py", SCRIPT, "--rows", "3000", "--", *args[1:]]))
     rows = [json.loads(line) for line in (out / "noised_examples.jsonl").read_text().splitlines()]
     return AutoTokenizer.from_pretrained(bart_dir), rows
 

@@ -314,15 +314,14 @@ def test_line_by_line_says_how_much_it_cuts(tiny_model_dir, corpus, tmp_path, ca
         f"their {cut + 60:,} tokens ({100 * cut / sum(content):.1f} % of all train tokens); raise --max_seq_length to "
         "keep them"
     ]
-    # And as a user runs it: the same line, before any long work (--dump_noised_examples stops after the data).
+    # And as a user runs it: the same line, before any long work (flax/dump_noised_examples.py stops after the data).
     (tmp_path / "long.txt").write_text("\n".join(lines) + "\n")
-    args = mlm_args(
-        tiny_model_dir, corpus, tmp_path / "out", "--do_train", "--line_by_line", "--dump_noised_examples", "1"
-    )
+    args = mlm_args(tiny_model_dir, corpus, tmp_path / "out", "--do_train", "--line_by_line")
     args += ["--per_device_train_batch_size", "1"]
     args[args.index("--train_file") + 1] = str(tmp_path / "long.txt")
     args[args.index("--max_seq_length") + 1] = "32"
-    assert warnings[0] in check_ok(run(args)).stderr
+    dump = ["flax/dump_noised_examples.py", SCRIPT, "--rows", "1", "--", *args[1:]]
+    assert warnings[0] in check_ok(run(dump)).stderr
     row = json.loads((tmp_path / "out" / "noised_examples.jsonl").read_text())
     # What the masked-LM head sees too: labels[j] is the original token at masked_positions[j].
     scored = [(p, t) for p, t in zip(row["masked_positions"], row["labels"], strict=True) if t != -100]

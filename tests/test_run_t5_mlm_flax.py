@@ -223,10 +223,8 @@ def test_dump_noised_examples(t5_dir, corpus, tmp_path):
         "--per_device_train_batch_size",
         "4",
         "--do_train",
-        "--dump_noised_examples",
-        "10",
     )
-    check_ok(run(args))
+    check_ok(run(["flax/dump_noised_examples.py", SCRIPT, "--rows", "10", "--", *args[1:]]))
     rows = [json.loads(line) for line in (tmp_path / "noised_examples.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and [r["batch"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 2
     assert [r["row"] for r in rows[:4]] == sorted(
@@ -244,5 +242,5 @@ def test_dump_noised_examples(t5_dir, corpus, tmp_path):
         assert [p for t in r["input_ids"][:-1] for p in (spans[t] if t >= 1000 else [t])] == r["original_ids"]
         assert "<extra_id_0>" in r["input_text"] and r["original_text"]
     assert not (tmp_path / "checkpoint-0").exists() and not (tmp_path / "flax_model.msgpack").exists()
-    model_args, _, training_args = t5.parse_args(args[1:-2])  # the run itself goes into the folder, the rows beside it
+    model_args, _, training_args = t5.parse_args(args[1:])  # the run itself goes into the folder, the rows beside it
     assert t5.find_checkpoint(training_args, model_args) is None
