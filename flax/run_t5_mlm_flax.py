@@ -64,6 +64,10 @@ from typing import Any
 # start). USE_TF=1 or USE_TORCH=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_TORCH", "0")
+if (
+    not sys.stderr.isatty()
+):  # a captured log: a progress line every 30 s, not one every 0.1 s joined by carriage returns
+    os.environ.setdefault("TQDM_MININTERVAL", "30")
 
 import datasets
 import flax.linen as nn
@@ -149,7 +153,10 @@ class ModelArguments:
     tokenizer_name: str | None = arg(None, "Pretrained tokenizer name or path if not the same as model_name")
     cache_dir: str | None = arg(None, "Where do you want to store the pretrained models downloaded from s3")
     use_fast_tokenizer: bool = arg(True, "Use a fast (Rust) tokenizer.")
-    dtype: str | None = arg("float32", "float32, float16, or bfloat16 (bf16 products into f32 on an f32 model).")
+    dtype: str | None = arg(
+        "float32",
+        "float32 or bfloat16 (bf16 products into f32 on an f32 model; float16, without loss scaling, underflows)",
+    )
     token: str = arg(None, "The token to use as HTTP bearer authorization for remote files.", repr=False)
     trust_remote_code: bool = arg(False, "Run code from the Hub's datasets/models.")
 
@@ -787,7 +794,7 @@ RANGES = (
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
 )
 CHOICES = {
-    "dtype": ("float32", "float16", "bfloat16"),
+    "dtype": ("float32", "bfloat16"),
     "report_to": ("tensorboard", "none", "all"),
     "log_level": ("debug", "info", "warning", "error", "critical", "passive"),
     "fsdp": ("", "full_shard", "hybrid_shard"),
@@ -807,6 +814,7 @@ def setup_logging(log_level):
     )
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
+    logging.getLogger(xla_bridge.__name__).setLevel(max(level, logging.WARNING))  # "Unable to initialize ... 'tpu'"
     # A damaged checkpoint's reads, abandoned when Orbax's restore fails, are each reported again when collected.
     logging.getLogger("asyncio").filters = [lambda record: "exception was never retrieved" not in record.getMessage()]
     sys.unraisablehook = lambda u: "while reading array index" in str(u.exc_value) or sys.__unraisablehook__(u)
@@ -874,7 +882,7 @@ def check_data_file(flag, path, whole=True):
     if extension not in ("csv", "json", "txt"):
         fail(f"{flag} {path}: unsupported extension .{extension}; use a .txt, .csv or .json file")
     if not os.path.isfile(path):
-        fail(f"{flag} {path} does not exist")
+        fail(f"{flag} {path} does not exist (relative paths are read from {os.getcwd()})")
     decoder, line, empty = codecs.getincrementaldecoder("utf-8")(), 1, True
     with open(path, "rb") as f:
         for chunk in itertools.islice(iter(lambda: f.read(1 << 20), b""), None if whole else 1):

@@ -5,6 +5,7 @@ upstream's example tests do), so each script is imported once."""
 
 import fcntl
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -414,6 +415,18 @@ def test_learning_rate_that_is_not_positive(request, corpus, tmp_path, tiny_mode
         (
             tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", "--learning_rate=-1e-3"),
             "--learning_rate must be positive",
+        ),
+    )
+
+
+def test_float16_is_refused_with_the_alternative_and_a_relative_path_names_its_folder(request, corpus, tmp_path):
+    """float16 without loss scaling underflows (upstream took it silently); a missing relative path says where it was
+    looked for."""
+    errors(
+        (mlm(request, corpus, tmp_path / "a", "--dtype", "float16"), "--dtype must be one of 'float32', 'bfloat16'"),
+        (
+            [*mlm(request, corpus, tmp_path / "b"), "--train_file", "data/nowhere.txt"],
+            f"--train_file data/nowhere.txt does not exist (relative paths are read from {os.getcwd()})",
         ),
     )
 

@@ -155,7 +155,20 @@ def test_a_t5_copy_whose_fit_objective_adds_a_token_keeps_its_sentinels(t5_dir, 
     )
     copy = block_copy("flax/run_t5_mlm_flax.py", tmp_path, adds_a_token)
     args = script_args(str(copy), "t5", t5_dir, corpus, tmp_path / "out", "--max_seq_length", "32")
-    check_ok(run([*args, "--per_device_train_batch_size", "4", "--do_train", "--dump_noised_examples", "8"]))
+    check_ok(
+        run(
+            [
+                "flax/dump_noised_examples.py",
+                str(copy),
+                "--rows",
+                "8",
+                "--",
+                *args[1:],
+                "--per_device_train_batch_size",
+                "4",
+            ]
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(t5_dir)
     sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{i}>" for i in range(100)])
     rows = [json.loads(line) for line in (tmp_path / "out" / "noised_examples.jsonl").read_text().splitlines()]
