@@ -99,6 +99,23 @@ def test_flax_training_scripts_keep_their_reading_path_and_machinery_short():
         assert len(lines) - banner <= 1400, f"{path}: the machinery has {len(lines) - banner} lines, more than 1,400"
 
 
+def test_the_readme_is_a_map_of_at_most_220_lines_whose_links_resolve():
+    """README.md stays a map (the commands, the layout, one command per script, the block table, headline results):
+    at most 220 lines; long figures go to benchmarks/README.md, and every link to a file or heading there resolves."""
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert len(readme.splitlines()) <= 220, f"README.md has {len(readme.splitlines())} lines, more than 220"
+    log = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
+    anchors = {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in re.findall(r"^#+ (.*)$", log, re.M)
+    }
+    for target, anchor in re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", readme):
+        assert os.path.exists(os.path.join(ROOT, target)), target
+        assert not anchor or target != "benchmarks/README.md" or anchor in anchors, anchor
+
+
 def test_every_script_tells_bf16_support_with_the_same_function():
     """cpu_bf16 (what the CPU's flags say of bf16) is one text in every script that needs it, and run_bert_flax.py
     shares the Flax scripts' whole bf16 block."""
