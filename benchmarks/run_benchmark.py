@@ -1134,7 +1134,7 @@ def end_to_end(args, work, size, config_dir, bar):
     for split, lines in (("train", args.preprocess_lines), ("validation", max(args.preprocess_lines // 10, 200))):
         text = (corpus / f"{split}.txt").read_text().splitlines(keepends=True)
         files[split].write_text("".join(text[:lines]))
-    make_initial_weights(config_dir, files["init"], work, bar)
+    make_initial_weights(config_dir, files["init"], sorted({E2E_MODES[m][0] for m in args.modes_e2e}), work, bar)
     rows = []
     for name in args.modes_e2e:
         bar.set_postfix_str(name)
