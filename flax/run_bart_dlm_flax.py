@@ -43,6 +43,7 @@ import difflib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -65,6 +66,10 @@ from typing import Any
 # start). USE_TF=1 or USE_TORCH=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_TORCH", "0")
+if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
+    sys.exit(
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+    )
 if (
     not sys.stderr.isatty()
 ):  # a captured log: a progress line every 30 s, not one every 0.1 s joined by carriage returns

@@ -32,6 +32,7 @@ import difflib
 import fcntl
 import functools
 import gc
+import importlib.util
 import json
 import logging
 import math
@@ -46,6 +47,10 @@ from itertools import chain
 # Only PyTorch is used: keep transformers from importing TensorFlow and JAX (several seconds).
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_FLAX", "0")
+if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
+    sys.exit(
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+    )
 # A captured log (no terminal) gets a progress bar line every 30 s, not one every 0.1 s joined by carriage returns.
 if not sys.stderr.isatty():
     os.environ.setdefault("TQDM_MININTERVAL", "30")

@@ -42,6 +42,7 @@ import contextlib
 import datetime
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -56,6 +57,10 @@ import time
 # Only TensorFlow is used: keep transformers from importing PyTorch and JAX.
 os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_FLAX", "0")
+if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
+    sys.exit(
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+    )
 # Without an NVIDIA driver, TensorFlow's CUDA build logs "failed call to cuInit" as an error: keep its C++ log to
 # fatal errors there (Python's exceptions still say what failed); with a GPU, its warnings and errors stay.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if os.path.exists("/dev/nvidiactl") else "3")
