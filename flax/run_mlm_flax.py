@@ -14,7 +14,8 @@ Differs from upstream:
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order, masks and dropout
   derive from (seed, epoch, example) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
-  SIGTERM or Ctrl-C saves the current step and exits 143/130.
+  SIGTERM or Ctrl-C saves the current step and exits 143/130; a lost process of a multi-host run stops the others
+  in one line naming it and the checkpoint to resume from, exit 75 (--heartbeat_timeout_seconds bounds the wait).
 - A non-finite loss or gradient stops training before it reaches a checkpoint; bad input is one line, before work.
 - `--gradient_accumulation_steps`; every mean (loss, accuracy) is exact over the global batch and over evaluation.
 - `--dtype bfloat16`: bf16 products with f32 accumulation on an f32 model; the LM head runs at the masked positions.
@@ -53,6 +54,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,7 @@ class TrainingArguments:
     report_to: str = arg("tensorboard", "tensorboard (events under output_dir/runs; all: the same) or none.")
     log_level: str = arg("passive", "debug, info, warning, error, critical, or passive (info).")
     peak_tflops: float | None = arg(None, "Peak TFLOP/s of one device, to log the MFU.")
+    heartbeat_timeout_seconds: int = arg(100, "Multi-host: stop this long after a process is lost (jax's default).")
     push_to_hub: bool = arg(False, "Whether or not to upload the trained model to the model hub after training.")
     hub_model_id: str = arg(None, "The name of the repository to keep in sync with the local `output_dir`.")
     hub_token: str = arg(None, "The token to use to push to the Model Hub.", repr=False)
@@ -605,6 +608,7 @@ def train(state, train_step, run, progress):
     plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
     streamed, STOP["training"] = isinstance(run.dataset["train"], datasets.IterableDataset), True
+    LOST["progress"] = progress
     with bar:  # closed before an error line
         for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
             batch = collate_batch(run.collator, examples, seed, rows, len(rows))
@@ -687,8 +691,6 @@ def evaluate(params, run, step):
 
 
 # === shared machinery: the same text in the four Flax training scripts ===========================================
-
-
 # --- arguments and checks ----------------------------------------------------------------------------------------
 
 
@@ -701,13 +703,17 @@ def first_line(error):
     return str(error).splitlines()[0] if str(error) else ""
 
 
+def fail_not_utf8(source, where, then="and resume"):
+    fail(f"{source} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8) {then}")
+
+
 def hub_reachable(timeout=5.0):
-    """Whether the Hugging Face Hub answers; never with HF_HUB_OFFLINE=1."""
+    """Whether the Hugging Face Hub answers; None (not asked) with HF_HUB_OFFLINE=1, which asks for the local cache."""
     import requests
     from huggingface_hub import constants
 
     try:
-        return not constants.HF_HUB_OFFLINE and requests.head(constants.ENDPOINT, timeout=timeout) is not None
+        return None if constants.HF_HUB_OFFLINE else requests.head(constants.ENDPOINT, timeout=timeout) is not None
     except requests.RequestException:
         return False
 
@@ -743,14 +749,10 @@ def parse_args(argv=None):
 
 
 # What each numeric argument must be, and the words an argument takes: checked before any work.
+POSITIVE = """per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps
+eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples shuffle_buffer_size"""
 RANGES = (
-    (
-        lambda value: value > 0,
-        "positive",
-        "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps "
-        "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
-        "shuffle_buffer_size",
-    ),
+    (lambda value: value > 0, "positive", POSITIVE),
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
     (lambda value: 0 <= value < 1, "in [0, 1)", "adam_beta1 adam_beta2"),
 )
@@ -770,9 +772,8 @@ WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # ea
 
 def setup_logging(log_level):
     level = logging.INFO if log_level == "passive" else getattr(logging, log_level.upper())
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=level, datefmt="[%X]", force=True
-    )
+    form = "%(asctime)s - %(levelname)s - %(name)s - %(message)s"
+    logging.basicConfig(format=form, level=level, datefmt="[%X]", force=True)
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
     logging.getLogger(xla_bridge.__name__).setLevel(max(level, logging.WARNING))  # "Unable to initialize ... 'tpu'"
@@ -815,17 +816,13 @@ def validate_args(model_args, data_args, training_args):
     ):
         if unused := [flag for flag in given if flag in names]:
             logger.warning(f"{', '.join(unused)}: {why}")
-    from huggingface_hub import constants
-
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
-        # A name that is not a local path is a hub id: refused at once if the hub cannot be reached, unless
-        # HF_HUB_OFFLINE=1 asks for the local cache (a name missing from it then fails where it is loaded).
-        if path is not None and not os.path.exists(path) and not constants.HF_HUB_OFFLINE and not hub_reachable():
+        # Not a local path: a hub id (HF_HUB_OFFLINE=1: one missing from the local cache fails where it is loaded).
+        if path is not None and not os.path.exists(path) and hub_reachable() is False:
             fail(
-                f"--{flag} {path!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local "
-                "files instead (--train_file/--validation_file for data, a folder for models/tokenizers; see "
-                "tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+                f"--{flag} {path!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local files instead "
+                "(--train_file/--validation_file for data, a folder for models/tokenizers; see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
             )
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
@@ -852,19 +849,17 @@ def check_data_file(flag, path, whole=True):
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 where = line + chunk.count(b"\n", 0, e.start)
-                fail(
-                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                    "e.g. with iconv -f latin1 -t utf-8"
-                )
+                fail_not_utf8(f"{flag} {path}", f"byte 0x{chunk[e.start]:02x} on line {where}", then="first")
             line += chunk.count(b"\n")
     if empty:
         fail(f"{flag} {path} is empty")
 
 
 def start_process(model_args, training_args):
-    """Join a multi-host run, watch compilations, warn about a slow --dtype, lock output_dir (process 0) and quiet the
-    other processes' logs. Returns the lock, to hold while the process runs."""
-    init_distributed()
+    """Join a multi-host run and set this process up; returns output_dir's lock (process 0's), to hold while it runs."""
+    init_distributed(training_args.heartbeat_timeout_seconds)
+    if jax.process_count() > 1:
+        watch_processes(training_args.output_dir, training_args.heartbeat_timeout_seconds)
     release_compiler_memory()
     STOP.clear()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -887,7 +882,7 @@ def lock_output_dir(output_dir):
         )
     try:
         os.makedirs(output_dir, exist_ok=True)
-        lock = open(os.path.join(output_dir, ".lock"), "a+")
+        lock = open(os.path.join(output_dir, ".lock"), "a+", buffering=1)  # line-buffered: each line written at once
     except OSError as e:
         fail(f"--output_dir {output_dir} cannot be written ({e.strerror}); choose another folder")
     try:
@@ -899,25 +894,71 @@ def lock_output_dir(output_dir):
         )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
-    lock.flush()
     return lock
 
 
-def init_distributed():
+def init_distributed(heartbeat_timeout_seconds):
     """Join the other processes of a multi-host run before any JAX computation: from JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID, else wherever JAX finds a cluster (TPU pod slices, SLURM, Open MPI), once."""
     if xla_bridge.backends_are_initialized():
         return
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs, env = dict(heartbeat_timeout_seconds=heartbeat_timeout_seconds), os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
         try:
-            jax.distributed.initialize(
-                num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"])
-            )
+            kwargs.update(num_processes=int(env["JAX_NUM_PROCESSES"]), process_id=int(env["JAX_PROCESS_ID"]))
         except (KeyError, ValueError) as e:
             fail(f"JAX_COORDINATOR_ADDRESS is set, so JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers too ({e})")
+        jax.distributed.initialize(**kwargs)
         return
     with contextlib.suppress(ValueError):  # no cluster found: a single process
-        jax.distributed.initialize()
+        jax.distributed.initialize(**kwargs)
+
+
+# A lost process: JAX's distributed runtime aborts every process of a multi-host run once one has sent no heartbeat for
+# --heartbeat_timeout_seconds, and at once when the coordinator (process 0) is gone. Each process writes the runtime's
+# own output (C++: XLA, gloo, the coordination service; Orbax's log) to output_dir/process-N.log, and turns the abort
+# into one line on the terminal and exit code 75 (EX_TEMPFAIL: resume and try again).
+LOST = {}  # "log", its "start", "terminal", "hosts", "timeout", "handler"; "progress" while training
+
+
+def watch_processes(output_dir, heartbeat_timeout_seconds):
+    LOST.update(log=os.path.join(output_dir, f"process-{jax.process_index()}.log"), timeout=heartbeat_timeout_seconds)
+    os.makedirs(output_dir, exist_ok=True)
+    LOST["terminal"] = sys.stderr = open(os.dup(2), "w", buffering=1)  # Python's output; C++'s fd 2: the log
+    os.dup2(log := os.open(LOST["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    LOST["start"] = os.lseek(log, 0, os.SEEK_END)
+    logging.root.handlers[0].setStream(sys.stderr)
+    logging.getLogger("absl").handlers, logging.getLogger("absl").propagate = [logging.FileHandler(LOST["log"])], False
+    LOST["hosts"] = gather_json(socket.gethostname())
+    LOST["handler"] = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_abort)
+    ctypes.CDLL(None).signal(signal.SIGABRT, LOST["handler"])
+    sys.excepthook = log_and_wait
+
+
+def runtime_failed(error):
+    """Whether `error` is the runtime's (its status first: UNKNOWN: Gloo AllGather failed...) in a multi-host run."""
+    return bool(LOST) and isinstance(error, (RuntimeError, ValueError)) and bool(re.match(r"[A-Z_]{5,}: ", str(error)))
+
+
+def log_and_wait(kind, error, trace):
+    """sys.excepthook: the runtime's error (a collective that lost a process) goes to the log, on_abort is awaited."""
+    if runtime_failed(error):
+        traceback.print_exception(kind, error, trace, file=sys.__stderr__)
+        time.sleep(LOST["timeout"] + 30)
+    sys.__excepthook__(kind, error, trace)
+
+
+def on_abort(_signum):
+    """SIGABRT, in the runtime's thread (the main one waits on a collective): the lost process named from the log."""
+    text = Path(LOST["log"]).read_bytes()[LOST["start"] :].decode(errors="replace")
+    dead = re.search(r"Task (\d+) heartbeat timeout|heartbeats\):\n(\d+)|()Service/(Heartbeat|Poll)", text)
+    lost, progress = dead and int(dead[1] or dead[2] or 0), LOST.get("progress", TrainingProgress())
+    what = f"process {lost} (host {LOST['hosts'][lost]}{', the coordinator' * (lost == 0)})" if dead else "a process"
+    last = progress.last_checkpoint
+    resume = f"resume from {last} with --resume_from_checkpoint" if last else "no checkpoint to resume from"
+    where = f"was lost after step {progress.global_step}, so this process stopped; {resume} (log: {LOST['log']})"
+    LOST["terminal"].write(f"\n{os.path.basename(__file__)}: {what} {where}\n")  # under a progress bar
+    os._exit(75)
 
 
 # SIGTERM (a preemption, a batch scheduler) and SIGINT (Ctrl-C) stop training after the current step, with a
@@ -968,15 +1009,13 @@ def load_raw_datasets(model_args, data_args):
             if "train" in raw:
                 if raw["train"].num_shards % jax.process_count():
                     logger.warning(
-                        f"the training stream has {raw['train'].num_shards} file(s), not a multiple of the "
-                        f"{jax.process_count()} processes: each process reads all of it to keep its rows"
+                        f"the training stream has {raw['train'].num_shards} file(s), not a multiple of the {jax.process_count()} processes: each process reads all of it to keep its rows"
                     )
                 raw["train"] = split_dataset_by_node(raw["train"], jax.process_index(), jax.process_count())
         elif "validation" not in raw.keys() and "train" in raw.keys():
             if round(len(raw["train"]) * pct / 100) == 0:
                 fail(
-                    f"{source} is too short to split {pct} % off for validation (it has {len(raw['train'])} examples); "
-                    "give --validation_file, or more text"
+                    f"{source} is too short to split {pct} % off for validation (it has {len(raw['train'])} examples); give --validation_file, or more text"
                 )
             raw["validation"], raw["train"] = load(split=f"train[:{pct}%]"), load(split=f"train[{pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
@@ -1007,9 +1046,7 @@ def text_file_stream(path, keep_linebreaks, shard_bytes=64 << 20):
                         text = block.decode().replace("\r\n", "\n").replace("\r", "\n")
                     except UnicodeDecodeError as e:
                         where = f"byte 0x{block[e.start]:02x} at offset {start - len(block) + e.start}"
-                        fail(
-                            f"--train_file {path} is not UTF-8 text ({where}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
-                        )
+                        fail_not_utf8(f"--train_file {path}", where)
                     for line in text.splitlines(keep_linebreaks):
                         yield {"text": line}
 
@@ -1028,8 +1065,7 @@ class StreamingSplits(dict):
 def text_column(raw_datasets, data_args):
     """The column that holds the text: `text`, else (as upstream) the first column, if it holds strings."""
     features = raw_datasets["train" if "train" in raw_datasets else "validation"].features
-    columns = list(features)
-    if "text" in columns:
+    if "text" in (columns := list(features)):
         return "text"
     if getattr(features[columns[0]], "dtype", None) in ("string", "large_string"):
         logger.warning(f"no column named 'text': taking the text from the first column, {columns[0]!r}")
@@ -1044,8 +1080,7 @@ def group_texts(examples, block_size):
     """The texts concatenated and cut into blocks of block_size, as upstream: the rest dropped, a short batch kept."""
     concatenated = {k: list(itertools.chain.from_iterable(examples[k])) for k in examples.keys()}
     total_length = len(concatenated[list(examples.keys())[0]])
-    if total_length >= block_size:
-        total_length = (total_length // block_size) * block_size
+    total_length -= total_length % block_size if total_length >= block_size else 0
     return {k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()}
 
 
@@ -1056,8 +1091,7 @@ def objective_settings(data_args):
 
 
 def data_fingerprint(data_args, tokenizer, dataset, max_seq_length, plan, seed, collator):
-    """What a saved data position means, as checkpoints record it: the train files (size, and a hash of their first
-    and last MiB), dataset, tokenizer, length, rows, streams, seed, global batch and the objective's resume_checks."""
+    """What a saved data position means, as checkpoints record it (train files: size, hash of first and last MiB)."""
     files = {}
     for path in [data_args.train_file] if data_args.train_file else []:
         with open(path, "rb") as f:
@@ -1089,8 +1123,7 @@ def check_noise_is_pure(collator, dataset, seed):
     first, again = (collate_batch(collator, dataset[ids], (seed, 0), ids, len(ids)) for _ in range(2))
     if any(not np.array_equal(first[key], again[key]) for key in first):
         fail(
-            "collate_batch noised the same rows differently when called again: draw the noise from (*seed, row id) "
-            "alone (numpy.random.default_rng([*seed, row_id])), or a resume cannot be exact"
+            "collate_batch noised the same rows differently when called again: draw the noise from (*seed, row id) alone (numpy.random.default_rng([*seed, row_id])), or a resume cannot be exact"
         )
 
 
@@ -1160,9 +1193,7 @@ def stream_rows(run, progress):
                     yield [window[i] for i in order], {"pass": epoch, "window": index, "state": state}
                     index, state, count = index + 1, dataset.state_dict(), index * size + len(window)
             except UnicodeDecodeError as e:
-                fail(
-                    f"the training stream is not UTF-8 text ({e}); convert it (e.g. iconv -f latin1 -t utf-8) and resume"
-                )
+                fail_not_utf8("the training stream", e)
             yield None, {"pass": epoch, "rows": count}
             epoch, index, state = epoch + 1, 0, None
 
@@ -1218,7 +1249,7 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     """The config (--config_name, --model_name_or_path or a new one of --model_type) and the tokenizer, fitted to the
     objective (fit_objective), then checked against each other and against --gradient_checkpointing."""
     args = model_args
-    kwargs = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
+    hub = dict(cache_dir=args.cache_dir, token=args.token, trust_remote_code=args.trust_remote_code)
     config_path = args.config_name or args.model_name_or_path
     tokenizer_source = args.tokenizer_name or args.model_name_or_path
     if config_path is None and args.model_type is None:
@@ -1226,10 +1257,8 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     if tokenizer_source is None:
         fail("this script trains no tokenizer: make one with tokenizers/train_tokenizer.py, pass --tokenizer_name")
     try:
-        config = (
-            AutoConfig.from_pretrained(config_path, **kwargs) if config_path else CONFIG_MAPPING[args.model_type]()
-        )
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=args.use_fast_tokenizer, **kwargs)
+        config = AutoConfig.from_pretrained(config_path, **hub) if config_path else CONFIG_MAPPING[args.model_type]()
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, use_fast=args.use_fast_tokenizer, **hub)
     except (OSError, ValueError) as e:
         names = f"{config_path or 'a new ' + args.model_type}, {tokenizer_source}"
         fail(f"cannot load the config or tokenizer ({names}): {first_line(e)}")
@@ -1245,26 +1274,22 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     uneven = [n for n in heads if n and config.model_type != "t5" and config.hidden_size % n]  # T5: heads of d_kv
     flax_class = MODEL_CLASS._model_mapping[type(config)] if type(config) in MODEL_CLASS._model_mapping else None
     remat = getattr(flax_class, "enable_gradient_checkpointing", None)  # not every Flax model overrides it
-    for refused, message in (
-        (
-            config.model_type not in MODEL_TYPES,
-            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}",
-        ),
-        (
-            config.vocab_size < len(tokenizer),
-            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; rebuild the config with tokenizers/create_config.py --tokenizer_name ...",
-        ),
-        (
-            uneven,
-            f"the config's hidden size {getattr(config, 'hidden_size', 0)} is not divisible by its {(uneven or [0])[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)",
-        ),
-        (
-            gradient_checkpointing and remat is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing,
-            f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its activations; drop the flag, or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps",
-        ),
-    ):
-        if refused:
-            fail(message)
+    if config.model_type not in MODEL_TYPES:
+        fail(
+            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
+        )
+    if config.vocab_size < len(tokenizer):
+        fail(
+            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
+        )
+    if uneven:
+        fail(
+            f"the config's hidden size {config.hidden_size} is not divisible by its {uneven[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)"
+        )
+    if gradient_checkpointing and remat is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing:
+        fail(
+            f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its activations; drop the flag, or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps"
+        )
     return config, tokenizer
 
 
@@ -1330,11 +1355,10 @@ def whole_safetensors(path, weights, hub):
     if weights != "model.safetensors.index.json":
         yield path
         return
-    with open(transformers.utils.cached_file(path, weights, **hub)) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
     tensors = {}
-    for shard in shards:
-        tensors.update(safetensors.numpy.load_file(transformers.utils.cached_file(path, shard, **hub)))
+    with open(transformers.utils.cached_file(path, weights, **hub)) as f:
+        for shard in sorted(set(json.load(f)["weight_map"].values())):
+            tensors.update(safetensors.numpy.load_file(transformers.utils.cached_file(path, shard, **hub)))
     with tempfile.TemporaryDirectory() as folder:
         safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         del tensors
@@ -1375,9 +1399,8 @@ def plan_training(training_args, dataset, max_seq_length):
     plan.steps_per_epoch = args.max_steps if streamed else plan.num_train_examples // plan.train_batch_size
     if plan.steps_per_epoch == 0:
         fail(
-            f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one global "
-            f"batch of {plan.train_batch_size} ({batch}); use more text or a smaller "
-            f"--per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
+            f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one global batch of {plan.train_batch_size} "
+            f"({batch}); use more text or a smaller --per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
         )
     plan.total_steps = args.max_steps if args.max_steps > 0 else int(plan.steps_per_epoch * args.num_train_epochs)
     plan.num_epochs = math.ceil(plan.total_steps / plan.steps_per_epoch)
@@ -1387,9 +1410,8 @@ def plan_training(training_args, dataset, max_seq_length):
         )
     if args.warmup_steps > plan.total_steps:
         logger.warning(
-            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
-            f"rate only reaches {args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, not --learning_rate "
-            f"{args.learning_rate:g}"
+            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning rate only reaches "
+            f"{args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, not --learning_rate {args.learning_rate:g}"
         )
     logger.info(
         f"***** Running training *****\n  Num examples = {plan.num_train_examples or 'streamed'}\n  Num epochs = {plan.num_epochs}\n"
@@ -1408,10 +1430,8 @@ def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
 def decay_mask_fn(params):
     """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
     flat = traverse_util.flatten_dict(params)
-    norms = {
-        path[-2:] for path in flat if any(name in "".join(path).lower() for name in ("layernorm", "layer_norm", "ln"))
-    }
-    return traverse_util.unflatten_dict({path: path[-1] != "bias" and path[-2:] not in norms for path in flat})
+    norms = {p[-2:] for p in flat if any(name in "".join(p).lower() for name in ("layernorm", "layer_norm", "ln"))}
+    return traverse_util.unflatten_dict({p: p[-1] != "bias" and p[-2:] not in norms for p in flat})
 
 
 def objective_means(sums):
@@ -1439,8 +1459,7 @@ def fit_attention(config, length):
         config.attention_type = "original_full"
     elif length % block:
         fail(
-            f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse "
-            f"attention: pass {length - length % block} or {length - length % block + block}"
+            f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse attention: pass {length - length % block} or {length - length % block + block}"
         )
 
 
@@ -1463,9 +1482,8 @@ def bound_length(requested, config, tokenizer):
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
-    """The model's logits under the given interceptors (and bf16_dense with --dtype bfloat16), given only the batch's
-    keys that its __call__ names, dropout switched as it takes it (`train` or `deterministic`), and BigBird's random
-    blocks from an `indices_rng` derived from the dropout rng."""
+    """The model's logits under `interceptors` (and bf16_dense with --dtype bfloat16), from the batch's keys its
+    __call__ names, dropout as it takes it (`train` or `deterministic`), BigBird's random blocks from dropout_rng."""
     takes = inspect.signature(model.__call__).parameters
     inputs = {name: value for name, value in batch.items() if name in takes}
     mode = {"train": train} if "train" in takes else {"deterministic": not train}
@@ -1585,7 +1603,7 @@ def bf16_dense(next_fun, args, kwargs, context):
     return y if module.dtype is None else y.astype(module.dtype)
 
 
-# --- memory ----------------------------------------------------------------------------------------------------
+# --- memory, devices, the loop's bookkeeping and logs ------------------------------------------------------------
 
 
 def save_all_but_transcendentals(primitive, *_, **__):
@@ -1618,9 +1636,6 @@ def release_compiler_memory():
     )
 
 
-# --- the loop's bookkeeping and logs -----------------------------------------------------------------------------
-
-
 def make_mesh(fsdp, devices=None):
     """The devices (jax.devices()) as a ("replica", "fsdp") mesh, a process's devices side by side: all on "replica"
     for data parallelism, all on "fsdp" for --fsdp full_shard, a process's on "fsdp" for hybrid_shard."""
@@ -1647,14 +1662,13 @@ def global_batch(batch, plan, micro_batches=None):
     """A global batch sharded by rows over every device, each process placing only its own rows: in training
     (micro_batches) those it collated, each micro-batch's in one block a process; in evaluation its share of all."""
     rows, processes = PartitionSpec(("replica", "fsdp")), jax.process_count()
+    sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows) if micro_batches else rows)
     if micro_batches:
-        sharding = NamedSharding(plan.mesh, PartitionSpec(None, *rows))
         local = {name: value.reshape(micro_batches, -1, *value.shape[1:]) for name, value in batch.items()}
         shape = lambda x: (micro_batches, x.shape[1] * processes, *x.shape[2:])  # noqa: E731
         return {k: jax.make_array_from_process_local_data(sharding, x, shape(x)) for k, x in local.items()}
     share = len(next(iter(batch.values()))) // processes
     mine = slice(plan.process_index * share, (plan.process_index + 1) * share)
-    sharding = NamedSharding(plan.mesh, rows)
     return {k: jax.make_array_from_process_local_data(sharding, x[mine], x.shape) for k, x in batch.items()}
 
 
@@ -1673,13 +1687,12 @@ class TrainingProgress:
 
 @dataclass
 class Loop:
-    """The loop's bookkeeping, not saved: pending metrics, this process's tokens, the step's FLOPs and batch shapes,
-    the last evaluation, and the log window (start, steps, tokens; evaluating and saving paused out of it)."""
+    """The loop's bookkeeping, not saved; the log window: (start, steps, tokens), evaluating and saving paused out."""
 
     first_step: int
     started: float = field(default_factory=time.perf_counter)
-    pending: list = field(default_factory=list)
-    tokens: int = 0
+    pending: list = field(default_factory=list)  # the steps' metrics, not yet fetched
+    tokens: int = 0  # this process's
     flops: float | None = None
     shapes: list = field(default_factory=list)  # the batch shapes the step was compiled for
     last_eval: tuple | None = None
@@ -1705,8 +1718,7 @@ def timed_step(train_step, state, batch, loop):
     loop.shapes.append(shapes)
     loop.flops = matmul_flops(train_step.trace(state, batch).jaxpr.jaxpr)  # one step's, over all devices
     started = time.perf_counter()
-    state, metrics = train_step(state, batch)
-    jax.block_until_ready(metrics)
+    state, metrics = jax.block_until_ready(train_step(state, batch))
     logger.info(f"First step (compilation included): {time.perf_counter() - started:.1f} s")
     loop.window = [time.perf_counter(), 0, 0]
     return state, metrics
@@ -1721,9 +1733,8 @@ def matmul_flops(jaxpr, loops=True):
             continue  # XLA drops what nothing uses (CLM's model computes logits that its chunked head does not use)
         used.update(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
         if eqn.primitive.name == "dot_general":
-            (contracted, _), _ = eqn.params["dimension_numbers"]
-            shape = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contracted)
+            (axes, _), _ = eqn.params["dimension_numbers"]  # the left operand's contracted axes
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(eqn.invars[0].aval.shape[d] for d in axes)
         times = eqn.params["length"] if loops and eqn.primitive.name == "scan" else 1
         for value in eqn.params.values():
             for inner in value if isinstance(value, tuple) else (value,):
@@ -1751,17 +1762,15 @@ def fetch_metrics(loop, progress):
 def stop_diverged(step, what, progress):
     last = progress.last_checkpoint and f"the last good checkpoint is {progress.last_checkpoint}"
     fail(
-        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last or 'no checkpoint was written'}. "
-        "Lower --learning_rate or raise --warmup_steps, then resume with --resume_from_checkpoint"
+        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last or 'no checkpoint was written'}. Lower --learning_rate or raise --warmup_steps, then resume with --resume_from_checkpoint"
     )
 
 
 def log_training(progress, metrics, plan, loop, peak_tflops, writer):
     """One line and TensorBoard scalars: the objective's means over the tokens since the last line, the last
     step's learning rate and gradient norm, and the throughput of the steps timed since (none if only one compiled)."""
-    window = progress.log_window
+    window, progress.log_window = progress.log_window, []
     means = objective_means({name: [sum(step[name][i] for step in window) for i in (0, 1)] for name in window[0]})
-    progress.log_window = []
     epoch = progress.global_step / plan.steps_per_epoch
     scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
     line = f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
@@ -1863,8 +1872,7 @@ def find_checkpoint(training_args, model_args):
         return None
     if training_args.do_train and complete:
         fail(
-            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, "
-            "or --overwrite_output_dir to start afresh"
+            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, or --overwrite_output_dir to start afresh"
         )
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock", "noised_examples.jsonl"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
@@ -1873,8 +1881,7 @@ def find_checkpoint(training_args, model_args):
     own_model = model is not None and os.path.realpath(model) == os.path.realpath(output_dir)
     if results and (results[0] == "eval_results.json" or not own_model):
         fail(
-            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass --overwrite_output_dir "
-            "to replace them, or choose another --output_dir"
+            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass --overwrite_output_dir to replace them, or choose another --output_dir"
         )
     return None
 
@@ -1908,11 +1915,9 @@ def save_checkpoint(state, progress, run):
     last = last or "no checkpoint is complete"
     # The checkpoint and the model's weights, checked first: Orbax's writer threads do not stop on a full disk.
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
-    free = shutil.disk_usage(output_dir).free
-    if free < 1.1 * needed + (1 << 20):
+    if (free := shutil.disk_usage(output_dir).free) < 1.1 * needed + (1 << 20):
         fail(
-            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. "
-            "Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
+            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
     trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
     trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
@@ -1931,6 +1936,8 @@ def save_checkpoint(state, progress, run):
                 os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
             os.rmdir(tmp_dir)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
+        if runtime_failed(e):
+            raise
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
         fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
     if jax.process_index() == 0 and run.hub is not None:
@@ -1969,9 +1976,8 @@ def restore_checkpoint(paths, abstract_state, run):
     changed = ", ".join(f"{k} {v} -> {run.data.get(k)}" for k, v in saved["data"].items() if run.data.get(k) != v)
     if changed and not run.args.ignore_data_skip:
         fail(
-            f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
-            "data, tokenizer, length, seed, global batch and resume_checks that wrote it, or add --ignore_data_skip to start its "
-            "epoch afresh"
+            f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the data, "
+            "tokenizer, length, seed, global batch and resume_checks that wrote it, or add --ignore_data_skip to start its epoch afresh"
         )
     if changed:
         logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
@@ -1984,13 +1990,11 @@ def restore_checkpoint(paths, abstract_state, run):
     schedule = [plan.total_steps, run.args.warmup_steps, run.args.learning_rate]
     if saved["schedule"] != schedule:
         logger.warning(
-            f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: {saved['schedule']} "
-            f"-> {schedule}): the rate at step {progress.global_step} changes at once"
+            f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: {saved['schedule']} -> {schedule}): the rate at step {progress.global_step} changes at once"
         )
     if progress.global_step >= plan.total_steps:
         fail(
-            f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: nothing left to train, "
-            "every file left as it was; raise --max_steps or --num_train_epochs to train on"
+            f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: nothing left to train, every file left as it was; raise --max_steps or --num_train_epochs to train on"
         )
     logger.info(f"Resuming at step {progress.global_step} from {path}")
     return state, progress
@@ -2000,8 +2004,7 @@ def read_checkpoint(path, abstract_state):
     """A checkpoint's train state and trainer state; ValueError names a damaged part; other shapes are refused."""
     manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
     parts = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "trainer_state/metadata")
-    missing = [part for part in parts if not os.path.isfile(os.path.join(path, part))]
-    if missing:
+    if missing := [part for part in parts if not os.path.isfile(os.path.join(path, part))]:
         raise ValueError(f"{missing[0]} is missing")
     try:
         with quiet_closed_loop_tracebacks(), contextlib.closing(manager):
@@ -2010,8 +2013,7 @@ def read_checkpoint(path, abstract_state):
                 if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
                     there = "missing" if key not in stored else tuple(stored[key].shape)
                     fail(
-                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} "
-                        "here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
+                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
                     )
             target = {name: getattr(abstract_state, name) for name in ("step", "params", "opt_state")}
             restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())

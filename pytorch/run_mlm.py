@@ -1026,6 +1026,9 @@ def run_training(trainer, train_dataset, last_checkpoint, data_args, training_ar
                 f"{last_checkpoint} is at step {done} and this run ends at step {total}: nothing left to train, every file "
                 "left as it was; raise --max_steps or --num_train_epochs to train on"
             )
+    # transformers 4.57 reads a multi-process CPU run's optimizer state onto the device "cpu:RANK", a location torch.load
+    # does not know: such storages stay where they were read, on the CPU.
+    torch.serialization.register_package(99, lambda _: None, lambda obj, at: obj if at.startswith("cpu:") else None)
     train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
     trainer.save_model()  # Saves the tokenizer too for easy upload
     metrics = dict(train_result.metrics)
