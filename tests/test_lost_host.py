@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import TWO_DEVICES, finish, flax_args, losses_by_step, run, start
+from conftest import TWO_DEVICES, finish, flax_args, losses_by_step, run, script_env, start
 from test_flax_training import MLM, start_two_hosts
 
 HEARTBEAT = 6  # seconds: jax's --heartbeat_timeout_seconds, short here (100 by default)
@@ -105,7 +105,7 @@ def test_a_rank_killed_under_torchrun_is_named_by_the_launcher_and_the_run_resum
         tiny_model_dir, corpus, out, "--do_train", "--per_device_train_batch_size", "4", "--max_steps", "60"
     )
     args += ["--save_steps", "4", "--logging_steps", "1"]
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env = script_env({"TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"})  # not a Flax test's USE_TORCH=0
     proc, deadline = start([*launcher, *args], tmp_path / "torchrun.log", env), time.time() + 300
     while len(trainer_losses((tmp_path / "torchrun.log").read_text())) < 6:  # past checkpoint-4
         assert proc.poll() is None and time.time() < deadline, "the run ended before step 6"
