@@ -18,8 +18,7 @@ Differs from upstream:
 - Exact resume: `checkpoint-N` (Orbax) holds the train state and the data position; data order, spans and dropout
   derive from (seed, epoch, example) and (seed, step). `--save_total_limit`, `--resume_from_checkpoint`.
   A resume on changed data is refused (`--ignore_data_skip` restarts the epoch); a damaged checkpoint is skipped;
-  SIGTERM or Ctrl-C saves the current step and exits 143/130; a lost process of a multi-host run stops the others
-  in one line naming it and the checkpoint to resume from, exit 75 (--heartbeat_timeout_seconds bounds the wait).
+  SIGTERM or Ctrl-C saves the current step and exits 143/130; a lost process of a multi-host run: one line, exit 75.
 - A non-finite loss or gradient stops training before it reaches a checkpoint; bad input is one line, before work.
 - `--gradient_accumulation_steps`; every mean (loss, accuracy) is exact over the global batch and over evaluation.
 - `--dtype bfloat16`: bf16 products with f32 accumulation on an f32 model.
