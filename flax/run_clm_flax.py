@@ -896,10 +896,11 @@ def on_abort(_signum):
     text = Path(LOST["log"]).read_bytes()[LOST["start"] :].decode(errors="replace")
     dead = re.search(r"Task (\d+) heartbeat timeout|heartbeats\):\n(\d+)|()Service/(Heartbeat|Poll)", text)
     lost, progress = dead and int(dead[1] or dead[2] or 0), LOST.get("progress", TrainingProgress())
-    what = f"process {lost} (host {LOST['hosts'][lost]}{', the coordinator' * (lost == 0)}) was lost" if dead else ""
+    what = "JAX's distributed runtime aborted"  # a lost process it did not name, or a failure of its own
+    if dead:
+        what = f"process {lost} (host {LOST['hosts'][lost]}{', the coordinator' * (lost == 0)}) was lost"
     last = progress.last_checkpoint
     resume = f"resume from {last} with --resume_from_checkpoint" if last else "no checkpoint to resume from"
-    what = what or "JAX's distributed runtime aborted"  # a lost process it did not name, or a failure of its own
     where = f"after step {progress.global_step}, so this process stopped; {resume} (log: {LOST['log']})"
     LOST["terminal"].write(f"\n{os.path.basename(__file__)}: {what} {where}\n")  # under a progress bar
     os._exit(75)
