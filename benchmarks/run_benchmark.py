@@ -32,7 +32,11 @@ Per mode: first step (tracing/compilation included), median of the timed steps (
 fetching its loss), tokens/s, model FLOPs per step and MFU against the matrix-multiply peak measured
 in this run, peak RSS, and the train loss after the common number of steps. Also: tokenization and
 grouping throughput (linear-time group_texts vs upstream's sum(lists, [])), and run_bert_flax.py fp32
-vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}, with the CPU model and its bf16 support.
+vs bf16 inference. Writes OUTPUT_DIR/results.{md,json,png}, with the CPU model and its bf16 support; as each mode
+ends, partial.{md,json,png} hold what has run (a run cut short leaves them; a finished one removes them).
+--profile_steps N profiles N more steps of each Flax and PyTorch mode (jax.profiler, torch.profiler): the device's busy
+time against the step's wall time, by kernel group (matrix products, attention, copies, other) and the top kernels;
+where Flax's fastest mode is slower than the fastest other, the goals name the part it loses most in.
 
 On a GPU (nvidia-smi lists one) the modes are GPU_MODES (`--modes gpu` names them anywhere): Flax fp32, ours
 --dtype bfloat16 and upstream's (the model's dtype), PyTorch fp32, bf16 autocast and torch.compile bf16; MFU is taken
@@ -226,6 +230,101 @@ def timed_loop(step_fn, batches):
     return times, losses
 
 
+# A profiled step's kernels by group, from their names (on a CPU: XLA's ops, torch's aten ops); the first that matches.
+KERNEL_GROUPS = {
+    "matrix products": r"gemm|xmma|nvjet|cutlass|cublas|matmul|dot|ynn|aten::(add|b)?mm\b",
+    "attention": r"flash|fmha|attention|sdpa",  # fused attention only: a softmax may be the loss's
+    "copies": r"memcpy|memset|copy",
+}
+
+
+def profile_summary(kernels, steps, wall_s, source):
+    """Where a step's time goes, from `steps` profiled steps: their wall time, the device's busy time (kernels summed;
+    the rest is the host's: launches, Python, waiting), the kernels a step, the busy time by KERNEL_GROUPS and the
+    top kernels. kernels: {name: [microseconds, calls]} over all the steps."""
+    import re
+
+    per_step = {name: [us / 1000 / steps, calls / steps] for name, (us, calls) in kernels.items()}
+    groups = dict.fromkeys([*KERNEL_GROUPS, "other"], 0.0)
+    for name, (ms, _) in per_step.items():
+        groups[next((g for g, p in KERNEL_GROUPS.items() if re.search(p, name, re.I)), "other")] += ms
+    top = sorted(per_step.items(), key=lambda item: -item[1][0])[:8]
+    return {
+        "steps": steps,
+        "source": source,
+        "wall_ms": 1000 * wall_s / steps,
+        "busy_ms": sum(groups.values()),
+        "kernels_per_step": sum(calls for _, calls in per_step.values()),
+        "groups_ms": groups,
+        "top": [[name[:100], ms, calls] for name, (ms, calls) in top],
+    }
+
+
+@contextlib.contextmanager
+def jax_trace(kernels):
+    """jax.profiler.trace, its kernels added to `kernels` on exit: the GPU's streams' (CUPTI), or on a CPU the XLA ops
+    of its client threads. Yields the list the lines read go into."""
+    import tempfile
+
+    import jax
+
+    lines = []
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            yield lines
+        data = jax.profiler.ProfileData.from_file(str(next(Path(trace_dir).rglob("*.xplane.pb"))))
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if planes:  # the streams' kernels and copies; XLA's derived lines (modules, ops, steps) only where no stream is
+        read = [line for p in planes for line in p.lines if "Stream" in line.name] or [
+            line for p in planes for line in p.lines if not line.name.startswith(("XLA", "Steps", "Framework"))
+        ]
+        events = [e for line in read for e in line.events]
+    else:  # XLA:CPU's ops run on its client's and its thread pool's threads (tf_XLA...), each op an event named by
+        # its HLO instruction, among the executor's own ("ThunkExecutor::Execute", "end: NAME"); threads overlap
+        read = [
+            line for p in data.planes if p.name == "/host:CPU" for line in p.lines if line.name.startswith("tf_XLA")
+        ]
+        events = [e for line in read for e in line.events if ":" not in e.name]
+    lines += sorted({line.name.split("/")[0] for line in read})  # a CPU's threads: "tf_XLAEigen/ID"
+    for e in events:
+        kernels.setdefault(e.name, [0.0, 0])
+        kernels[e.name][0] += e.duration_ns / 1000
+        kernels[e.name][1] += 1
+
+
+@contextlib.contextmanager
+def torch_trace(kernels):
+    """torch.profiler, its kernels added to `kernels` on exit: the CUDA kernels, or on a CPU the aten ops' self
+    time. Yields the list of what was read."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    read = ["CUDA kernels" if cuda else "aten ops (self CPU time)"]
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        yield read
+    for a in prof.key_averages():
+        if (a.device_type == torch.autograd.DeviceType.CUDA) if cuda else a.key.startswith("aten::"):
+            kernels[a.key] = [a.device_time_total if cuda else a.self_cpu_time_total, a.count]
+
+
+def profiled(run, batches, steps, trace):
+    """`steps` more steps of `run` (the first batches again) under `trace` (jax_trace or torch_trace): where their
+    time goes (profile_summary), or {"error": why} (a profile is a diagnosis: its failure costs the row nothing)."""
+    kernels = {}
+    try:
+        with trace(kernels) as read:
+            start = time.perf_counter()
+            for i in range(steps):
+                run({k: batches[k][i] for k in ("input_ids", "attention_mask", "labels")})
+            wall = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 (the profiler's own failure, reported in the row)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    if not kernels:
+        return {"error": f"the profile held no kernels (read: {', '.join(read) or 'nothing'})"}
+    return profile_summary(kernels, steps, wall, ", ".join(read))
+
+
 def worker_flax(spec, batches):
     import jax
     import jax.numpy as jnp
@@ -290,6 +389,8 @@ def worker_flax(spec, batches):
 
         extra = {"devices": 1}
     times, losses = timed_loop(run, batches)
+    if spec["profile_steps"]:
+        extra["profile"] = profiled(run, batches, spec["profile_steps"], jax_trace)
     device = jax.devices()[0]
     gpu = device.platform == "gpu"
     return dict(
@@ -360,6 +461,8 @@ def worker_torch(spec, batches):
         return float(loss.item())
 
     times, losses = timed_loop(run, batches)
+    profile_steps = 0 if xla else spec["profile_steps"]
+    extra = {"profile": profiled(run, batches, profile_steps, torch_trace)} if profile_steps else {}
     versions = (
         {"torch (.venv-xla)": torch.__version__, "torch_xla": torch_xla.__version__}
         if xla
@@ -374,6 +477,7 @@ def worker_torch(spec, batches):
         threads=torch.get_num_threads(),
         products="bf16" if spec["precision"] == "bf16" else "tf32" if tf32 else "fp32",
         device_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+        **extra,
     )
 
 
@@ -739,17 +843,17 @@ def per_round(a, b):
     return f"{np.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
-def write_outputs(out, report):
-    """results.json, results.md (the tables) and results.png (the bar charts)."""
+def write_outputs(out, report, stem="results"):
+    """STEM.json, STEM.md (the tables) and STEM.png (the bar charts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     lines = modes_table(report) + other_tables(report)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    plot_modes(plt, out, report)
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    plot_modes(plt, out / f"{stem}.png", report)
 
 
 def modes_table(report):
@@ -759,6 +863,7 @@ def modes_table(report):
     lines = [
         f"# MLM training benchmark: RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters), batch {w['batch_size']} x {w['seq_len']} tokens",
         "",
+        *([f"**Partial: {report['partial']}.**", ""] if "partial" in report else []),
         f"{hardware(report['machine'])}; {report['date']}; "
         + ", ".join(f"{k} {v}" for k, v in sorted(report["versions"].items()))
         + ".",
@@ -840,6 +945,7 @@ def other_tables(report):
     ]
     for name, g in p["group"].items():
         lines.append(f"| group: {name} | {g['seconds']:.2f} | {g['tokens_per_s']:,.0f} |")
+    lines += profile_table(report["modes"])
     inference = report.get("inference") or {}
     if inference:
         lines += [
@@ -861,7 +967,39 @@ def other_tables(report):
     return lines
 
 
-def plot_modes(plt, out, report):
+def profile_parts(profile):
+    """A profiled step's parts, ms: the host's share (wall minus the device's busy time), then the kernel groups."""
+    return {"host (wall - busy)": profile["wall_ms"] - profile["busy_ms"], **profile["groups_ms"]}
+
+
+def profile_table(rows):
+    """results.md's profile of the modes run with --profile_steps: where a step's time goes; its lines."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "## Where a profiled step's time goes (ms a step; --profile_steps more steps, after the timed ones)",
+        "",
+        "| mode | read | step wall | device busy | kernels a step | " + " | ".join(KERNEL_GROUPS) + " | other "
+        "| top kernels |",
+        "| --- | --- | ---: | ---: | ---: |" + " ---: |" * (len(KERNEL_GROUPS) + 1) + " --- |",
+    ]
+    for r in profiled:
+        p = r["profile"]
+        if "error" in p:
+            lines.append(f"| {r['mode']} | failed: {p['error']} |" + " |" * (len(KERNEL_GROUPS) + 5))
+            continue
+        top = "; ".join(f"{name[:60]} {ms:.2f}" for name, ms, _ in p["top"][:3])
+        lines.append(
+            f"| {r['mode']} | {p['source']} | {p['wall_ms']:,.2f} | {p['busy_ms']:,.2f} | {p['kernels_per_step']:,.0f} | "
+            + " | ".join(f"{ms:,.2f}" for ms in p["groups_ms"].values())
+            + f" | {top} |"
+        )
+    return lines
+
+
+def plot_modes(plt, path, report):
     """results.png: tokens/s and MFU of the modes that ran, with their range over the repeats."""
     ok = [r for r in report["modes"] if "step_ms" in r]
     w = report["workload"]
@@ -898,7 +1036,7 @@ def plot_modes(plt, out, report):
             label.set_ha("right")
     fig.suptitle(f"RoBERTa {w['size']} MLM, batch {w['batch_size']} x {w['seq_len']}, {hardware(report['machine'])}")
     fig.tight_layout()
-    fig.savefig(out / "results.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -943,6 +1081,15 @@ def goals(rows, peaks, machine):
             )
             + f"{100 * flax_best['gflops'] / peaks[peak_name]:.1f} % (goal >= {50 if gpu else 60} %)"
         )
+        profiles = [r.get("profile", {}) for r in (flax_best, fastest)]
+        if flax_best["step_ms"] > fastest["step_ms"] and all("busy_ms" in p for p in profiles):
+            parts = [profile_parts(p) for p in profiles]
+            worst = max(parts[0], key=lambda k: parts[0][k] - parts[1][k])
+            out.append(
+                f"Where Flax's time goes, per profiled step ({flax_best['mode']} vs {fastest['mode']}, ms): "
+                + ", ".join(f"{k} {parts[0][k]:.2f} vs {parts[1][k]:.2f}" for k in parts[0])
+                + f"; the most Flax loses: {worst}, {parts[0][worst] - parts[1][worst]:.2f} ms"
+            )
         torch_modes = [r for r in others if r["framework"].startswith("pytorch")]
         if torch_modes:
             torch_fastest = min(torch_modes, key=lambda r: r["step_ms"])
@@ -1340,6 +1487,13 @@ def build_parser():
     parser.add_argument(
         "--repeats", type=int, default=3, help="Runs of every mode, interleaved round-robin (default 3)."
     )
+    parser.add_argument(
+        "--profile_steps",
+        type=int,
+        default=0,
+        help="After the timed steps, profile this many more in each Flax and PyTorch mode (jax.profiler, "
+        "torch.profiler): where a step's time goes, by kernel group (default 0: none).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
@@ -1364,6 +1518,8 @@ def resolve_args(args):
         fail(f"--repeats must be at least 1, got {args.repeats}")
     if not 0 <= args.warmup_steps < args.steps:
         fail(f"--warmup_steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+    if not 0 <= args.profile_steps <= args.steps or (args.profile_steps and args.end_to_end):
+        fail(f"--profile_steps must be in [0, --steps] and without --end_to_end, got {args.profile_steps}")
     size = dict(SIZES[args.size])
     size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
     if "flax_fsdp" in modes and size["batch_size"] % args.flax_devices:
@@ -1414,8 +1570,9 @@ def make_initial_weights(config_dir, init_dir, frameworks, work, bar):
     bar.update(1)
 
 
-def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
-    """Every mode --repeats times, interleaved round-robin, each in its own worker: their results and versions."""
+def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar, after_each):
+    """Every mode --repeats times, interleaved round-robin, each in its own worker: their results and versions.
+    after_each(results, versions) is called as each run ends."""
     results, versions = {name: [] for name in modes}, {}
     for round_index, name in rounds(modes, args.repeats):
         bar.set_postfix_str(f"{name} ({round_index + 1}/{args.repeats})")
@@ -1427,6 +1584,7 @@ def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
             "init_dir": str(init_dir),
             "batches": str(batches_path),
             "warmup_steps": args.warmup_steps,
+            "profile_steps": args.profile_steps,
             "work_dir": str(work / name),
         }
         if name in args.skipped:
@@ -1452,6 +1610,7 @@ def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar):
             )
         )
         bar.update(1)
+        after_each(results, versions)
     return results, versions
 
 
@@ -1580,15 +1739,27 @@ def main(argv=None):
     make_initial_weights(config_dir, init_dir, sorted({MODES[m][0] for m in modes}), work, bar)
     config = json.loads((config_dir / "config.json").read_text())
     flops = model_flops_per_step(config, size["batch_size"], size["seq_len"])
-    results, versions = train_modes(args, modes, config_dir, init_dir, batches_path, work, bar)
     peaks = matmul["published"] or matmul["peak"]
-    rows = [summarize(name, results[name], flops, peaks, args.warmup_steps, size) for name in modes]
+
+    def report_of(results, versions, inference):
+        ran = [name for name in modes if results[name]]
+        rows = [summarize(name, results[name], flops, peaks, args.warmup_steps, size) for name in ran]
+        return build_report(
+            args, argv, ran, size, config, flops, matmul, preprocessing, rows, inference, dict(versions), started
+        )
+
+    def write_partial(results, versions):  # what a run cut short (a device call's time limit) still leaves
+        report = report_of(results, versions, {})
+        report["partial"] = f"{sum(map(len, results.values()))} of {len(modes) * args.repeats} runs of the modes done"
+        write_outputs(out, report, stem="partial")
+
+    results, versions = train_modes(args, modes, config_dir, init_dir, batches_path, work, bar, write_partial)
     inference = {} if args.no_inference else run_inference(args, modes, native_bf16, work, bar)
     bar.close()
-    report = build_report(
-        args, argv, modes, size, config, flops, matmul, preprocessing, rows, inference, versions, started
-    )
+    report = report_of(results, versions, inference)
     write_outputs(out, report)
+    for suffix in ("json", "md", "png"):
+        (out / f"partial.{suffix}").unlink(missing_ok=True)
     print((out / "results.md").read_text())
     print(f"Wrote {out / 'results.md'}, results.json and results.png in {report['runtime_s']:.0f} s")
 

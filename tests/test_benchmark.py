@@ -166,6 +166,7 @@ def gpu_modes(tmp_path_factory):
     """`--modes gpu`, the command benchmarks/gpu.sh runs on a GPU, here on the CPU with the tiny model."""
     out = tmp_path_factory.mktemp("bench-gpu")
     args = ["--modes", "gpu", "--quick", "--repeats", "1", "--steps", "3", "--warmup_steps", "1", "--no_inference"]
+    args += ["--profile_steps", "2"]
     check_ok(run(["benchmarks/run_benchmark.py", *args, *BENCHMARK_BATCH, "--output_dir", str(out)], timeout=1800))
     return out, json.loads((out / "results.json").read_text())
 
@@ -187,6 +188,19 @@ def test_the_gpu_modes_run_here_on_the_same_work_and_bf16_takes_effect(gpu_modes
     assert rows["torch_compile_bf16"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-3)
     assert rows["flax"]["products"] == "fp32" and rows["flax_model_bf16"]["products"] == "bf16"
     assert any(g.startswith("Our --dtype bfloat16 (flax_bf16) vs upstream's meaning") for g in report["goals"])
+
+
+def test_each_gpu_mode_profiles_where_its_step_goes(gpu_modes):
+    """--profile_steps 2: each row's profile read its framework's profiler (here XLA:CPU's ops, torch's aten ops),
+    found matrix products, and its groups add up to the busy time; the table is written, the partial one removed."""
+    out, report = gpu_modes
+    for row in report["modes"]:
+        profile = row["profile"]
+        assert profile["steps"] == 2 and profile["groups_ms"]["matrix products"] > 0, (row["mode"], profile)
+        assert sum(profile["groups_ms"].values()) == pytest.approx(profile["busy_ms"]) and profile["wall_ms"] > 0
+        assert ("PjRtCpuClient" if row["framework"] == "flax" else "aten ops") in profile["source"]
+    assert "## Where a profiled step's time goes" in (out / "results.md").read_text()
+    assert not list(out.glob("partial.*"))
 
 
 def test_a_gpu_row_is_measured_against_the_published_peak_of_its_products(bench):
@@ -233,6 +247,67 @@ def test_a_gpu_row_is_measured_against_the_published_peak_of_its_products(bench)
     assert goals[0].startswith("These ratios hold for this GPU (NVIDIA H200, driver 580.159.04)")
     assert any("bf16 published peak (989.4 TFLOP/s): 50.0 % (goal >= 50 %)" in g for g in goals)
     assert any(g.startswith("Flax peak device memory vs PyTorch's fastest mode (torch)") for g in goals)
+
+
+def test_a_profile_groups_a_gpus_kernels_and_says_where_flax_loses(bench):
+    """Kernels named as CUPTI names them (cuBLAS, flash attention, a copy, an XLA fusion) fall in their groups, per
+    step; where Flax's fastest mode is slower, the goals compare its parts with the fastest mode's, the host's share
+    (wall minus busy) included, and name the part Flax loses most in."""
+    kernels = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": [6000.0, 90],
+        "nvjet_tst_128x256_64x4_2x1_v_bz_TNT": [1500.0, 30],
+        "flash_fwd_kernel": [900.0, 36],
+        "Memcpy HtoD (Pageable -> Device)": [30.0, 3],
+        "loop_add_fusion": [1200.0, 300],
+    }
+    ours = bench.profile_summary(kernels, 3, 0.015, "Stream #13")
+    assert ours["groups_ms"] == pytest.approx({"matrix products": 2.5, "attention": 0.3, "copies": 0.01, "other": 0.4})
+    assert ours["busy_ms"] == pytest.approx(3.21) and ours["wall_ms"] == pytest.approx(5.0)
+    assert ours["kernels_per_step"] == 153 and ours["top"][0][:2] == [next(iter(kernels)), 2.0]
+    theirs = bench.profile_summary({"ampere_bf16_s16816gemm": [7500.0, 60]}, 3, 0.009, "CUDA kernels")
+    size, peaks = {"batch_size": 128, "seq_len": 128}, {"bf16": 1e6, "fp32": 1e5}
+    worker = {"losses": [9.0, 8.0], "peak_rss_mb": 900.0, "device_peak_mb": 9e3, "products": "bf16"}
+    rows = [
+        bench.summarize("flax_bf16", [{**worker, "times": [9.0, 0.005], "profile": ours}], 1e12, peaks, 1, size),
+        bench.summarize("torch_bf16", [{**worker, "times": [9.0, 0.003], "profile": theirs}], 1e12, peaks, 1, size),
+    ]
+    where = next(g for g in bench.goals(rows, peaks, {"gpu": {"name": "H200", "driver": "1"}}) if "goes" in g)
+    assert "host (wall - busy) 1.79 vs 0.50" in where and "matrix products 2.50 vs 2.50" in where
+    assert where.endswith("the most Flax loses: host (wall - busy), 1.29 ms")
+    table = "\n".join(bench.profile_table(rows))
+    assert "| flax_bf16 | Stream #13 | 5.00 | 3.21 | 153 | 2.50 | 0.30 | 0.01 | 0.40 | sm90_xmma" in table
+
+
+def test_a_cut_run_leaves_its_finished_modes_in_partial_files(bench, tmp_path, monkeypatch):
+    """A run cut short (a device call's time limit) leaves partial.{md,json,png} with the runs that ended, marked
+    partial; the completed run writes results.* and removes them. The workers are stand-ins: the harness is tested."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "config.json").write_text(
+        json.dumps({"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "vocab_size": 32})
+    )
+    preprocessing = {"lines": 1, "tokens": 1, "tokenize_s": 1.0, "tokenize_tokens_per_s": 1.0, "group": {}}
+    monkeypatch.setattr(bench, "prepare_data", lambda *a: (config, tmp_path / "batches.npz", preprocessing))
+    monkeypatch.setattr(bench, "gpu_info", lambda: None)
+    trained = {"losses": [9.0, 8.0], "times": [1.0, 0.1, 0.1], "num_params": 10, "versions": {}, "products": "fp32"}
+    cut = [True]
+
+    def worker(spec, *args, **kwargs):
+        if spec.get("mode") == "torch" and cut and cut.pop():
+            raise KeyboardInterrupt  # the call's time limit, while the second mode runs
+        return {"matmul": {"fp32": 100.0}, "init": {}}.get(spec["kind"], {**trained, "peak_rss_mb": 1.0})
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    argv = ["--modes", "flax,torch", "--repeats", "1", "--steps", "3", "--warmup_steps", "1", "--no_inference"]
+    argv += ["--output_dir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    partial = (tmp_path / "partial.md").read_text()
+    assert "**Partial: 1 of 2 runs of the modes done.**" in partial and "| flax | fp32 |" in partial
+    assert "| torch | fp32 |" not in partial and not (tmp_path / "results.md").exists()
+    assert json.loads((tmp_path / "partial.json").read_text())["modes"][0]["mode"] == "flax"
+    bench.main(argv)
+    assert "| torch | fp32 |" in (tmp_path / "results.md").read_text() and not list(tmp_path.glob("partial.*"))
 
 
 def test_repeats_are_interleaved_with_their_spread(bench):
