@@ -22,12 +22,15 @@ Differences from upstream, all fixes:
   data parallel over gloo (without `--use_cpu`, transformers 4.57 leaves every rank alone with world
   size 1), and `--bf16` runs as CPU autocast instead of failing.
 - Resuming skips a last checkpoint that was only half written (no trainer_state.json).
+- A rank that loses another (dead, or silent for --ddp_timeout seconds: transformers 4.57 drops that timeout
+  on CPUs, where gloo waited 30 minutes) stops in one line naming the step and the checkpoint, exit code 75.
 - Bad input (files, output folder, hub names offline, ...) ends with one line and a non-zero exit.
 """
 
 import atexit
 import codecs
 import contextlib
+import datetime
 import difflib
 import fcntl
 import functools
@@ -288,10 +291,13 @@ def parse_args(argv=None):
             fail(f"arguments file {argv[0]} does not exist")
         try:
             with open(argv[0]) as f:
-                model_args, data_args, training_args = parser.parse_dict({**defaults, **json.load(f)})
+                given = json.load(f)
+            start_cpu_process_group(given)
+            model_args, data_args, training_args = parser.parse_dict({**defaults, **given})
         except ValueError as e:  # also malformed JSON and unknown keys
             fail(f"arguments file {argv[0]}: {str(e).splitlines()[0]}")
     else:
+        start_cpu_process_group(vars(parser.parse_known_args(argv)[0]))
         model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True
         )
@@ -303,6 +309,16 @@ def parse_args(argv=None):
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinned memory only speeds up copies to a CUDA device
     return model_args, data_args, training_args
+
+
+def start_cpu_process_group(given):
+    """Under torchrun without an accelerator, start the process group with --ddp_timeout (given: the arguments as
+    parsed so far), before TrainingArguments sets up its devices: transformers 4.57 passes the timeout only to an
+    accelerator's group, so gloo's would wait its default 30 minutes for a rank that stopped answering."""
+    if has_accelerator() or int(os.environ.get("WORLD_SIZE", "1")) < 2 or torch.distributed.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=given.get("ddp_timeout") or 1800)
+    torch.distributed.init_process_group(given.get("ddp_backend") or "gloo", timeout=timeout)
 
 
 def validate_args(model_args, data_args, training_args):
@@ -450,6 +466,16 @@ def check_checkpoint_config(checkpoint, config):
         )
 
 
+def checkpoints_newest_first(output_dir):
+    """The checkpoint-N folders in output_dir, the highest N first."""
+    steps = sorted(
+        (int(name[len(PREFIX_CHECKPOINT_DIR) + 1 :]), name)
+        for name in os.listdir(output_dir)
+        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1 :].isdigit()
+    )
+    return [os.path.join(output_dir, name) for _, name in reversed(steps)]
+
+
 def find_checkpoint(training_args):
     """The checkpoint to resume from: --resume_from_checkpoint, or the newest checkpoint-N in output_dir that is
     whole (checkpoint_damage); a damaged one is skipped with a line, or refused when named."""
@@ -467,13 +493,7 @@ def find_checkpoint(training_args):
                 f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir"
             )
         return None
-    steps = sorted(
-        (int(name[len(PREFIX_CHECKPOINT_DIR) + 1 :]), name)
-        for name in os.listdir(output_dir)
-        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name[len(PREFIX_CHECKPOINT_DIR) + 1 :].isdigit()
-    )
-    for _step, name in reversed(steps):
-        path = os.path.join(output_dir, name)
+    for path in checkpoints_newest_first(output_dir):
         if not (damage := checkpoint_damage(path)):
             logger.info(
                 f"Checkpoint detected, resuming training at {path}. To avoid this behavior, change "
@@ -1029,7 +1049,12 @@ def run_training(trainer, train_dataset, last_checkpoint, data_args, training_ar
     # transformers 4.57 reads a multi-process CPU run's optimizer state onto the device "cpu:RANK", a location torch.load
     # does not know: such storages stay where they were read, on the CPU.
     torch.serialization.register_package(99, lambda _: None, lambda obj, at: obj if at.startswith("cpu:") else None)
-    train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    try:
+        train_result = trainer.train(resume_from_checkpoint=last_checkpoint)
+    except RuntimeError as e:
+        if training_args.world_size > 1 and any(text in str(e) for text in LOST_RANK):
+            stop_lost_rank(e, trainer, training_args)
+        raise
     trainer.save_model()  # Saves the tokenizer too for easy upload
     metrics = dict(train_result.metrics)
     if not data_args.streaming:
@@ -1044,6 +1069,25 @@ def run_training(trainer, train_dataset, last_checkpoint, data_args, training_ar
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     trainer.save_state()
+
+
+# gloo's errors in a rank whose peer died or stopped answering for --ddp_timeout seconds
+LOST_RANK = ("Application timeout caused pair closure", "Timed out waiting", "Connection closed by peer")
+
+
+def stop_lost_rank(error, trainer, training_args):
+    """Another rank died or stopped answering for --ddp_timeout seconds (gloo's error, here): one line naming the
+    step and the checkpoint to resume from, exit code 75 (EX_TEMPFAIL, as the Flax scripts), and no teardown of a
+    process group whose ranks can no longer agree."""
+    whole = [path for path in checkpoints_newest_first(training_args.output_dir) if not checkpoint_damage(path)]
+    resume = f"rerun the command to resume from {whole[0]}" if whole else "no whole checkpoint yet to resume from"
+    print(
+        f"{os.path.basename(__file__)}: error: rank {training_args.process_index}: another rank was lost after step "
+        f"{trainer.state.global_step} (gloo: {str(error).splitlines()[0]}), so this rank stopped; {resume}",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(75)
 
 
 def run_evaluation(trainer, eval_dataset, data_args):
