@@ -1081,9 +1081,10 @@ def stop_lost_rank(error, trainer, training_args):
     process group whose ranks can no longer agree."""
     whole = [path for path in checkpoints_newest_first(training_args.output_dir) if not checkpoint_damage(path)]
     resume = f"rerun the command to resume from {whole[0]}" if whole else "no whole checkpoint yet to resume from"
+    reason = str(error).splitlines()[0].split("] ")[-1]  # without gloo's "[.../unbound_buffer.cc:78] "
     print(
         f"{os.path.basename(__file__)}: error: rank {training_args.process_index}: another rank was lost after step "
-        f"{trainer.state.global_step} (gloo: {str(error).splitlines()[0]}), so this rank stopped; {resume}",
+        f"{trainer.state.global_step} (gloo: {reason}), so this rank stopped; {resume}",
         file=sys.stderr,
         flush=True,
     )
