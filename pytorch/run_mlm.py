@@ -1080,7 +1080,8 @@ def stop_lost_rank(error, trainer, training_args):
     step and the checkpoint to resume from, exit code 75 (EX_TEMPFAIL, as the Flax scripts), and no teardown of a
     process group whose ranks can no longer agree."""
     whole = [path for path in checkpoints_newest_first(training_args.output_dir) if not checkpoint_damage(path)]
-    resume = f"rerun the command to resume from {whole[0]}" if whole else "no whole checkpoint yet to resume from"
+    named = f" with --resume_from_checkpoint {whole[0]}" if whole and training_args.resume_from_checkpoint else ""
+    resume = f"rerun the command{named} to resume from {whole[0]}" if whole else "no whole checkpoint to resume from"
     reason = str(error).splitlines()[0].split("] ")[-1]  # without gloo's "[.../unbound_buffer.cc:78] "
     print(
         f"{os.path.basename(__file__)}: error: rank {training_args.process_index}: another rank was lost after step "
