@@ -39,8 +39,8 @@ def main(argv=None):
     import jax
     import transformers
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from run_benchmark import load_script
+    sys.path.insert(0, str(ROOT))  # the package benchmarks/
+    from benchmarks.workload import load_script
 
     script = load_script("flax/run_mlm_flax.py")
     if args.config_name:

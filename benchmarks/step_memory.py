@@ -47,8 +47,8 @@ def step_line(relpath, topology, flags, plain):
     """What flax/train_compile.py logs of the script's train step (or the line saying it does not fit), or with
     plain=True of the plain one; RuntimeError with the error line if it stopped before compiling (bad flags, no
     libtpu)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from run_benchmark import load_script
+    sys.path.insert(0, str(ROOT))  # the package benchmarks/
+    from benchmarks.workload import load_script
 
     tool = load_script("flax/train_compile.py")
     lines, handler = [], logging.Handler()

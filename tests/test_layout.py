@@ -134,7 +134,7 @@ def test_every_script_tells_bf16_support_with_the_same_function():
         "flax/run_bert_flax.py",
         "pytorch/run_mlm.py",
         "tensorflow/run_mlm.py",
-        "benchmarks/run_benchmark.py",
+        "benchmarks/workload.py",
     ):
         assert definitions(path)["cpu_bf16"] == mlm["cpu_bf16"], path
     bert = definitions("flax/run_bert_flax.py")
