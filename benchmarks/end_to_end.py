@@ -118,7 +118,8 @@ def e2e_commands(name, args, files, size, out):
             "--logging_steps": args.eval_steps,
             "--report_to": "tensorboard",
         }
-        # The Trainer clips gradients at norm 1.0 by default; the Flax and TF scripts do not clip, so neither does it here.
+        # The Trainer clips gradients at norm 1.0 by default; the Flax and TF scripts do not clip, so neither does it
+        # here.
         flags.update(
             {"--save_steps": 10 * args.steps}
             if framework == "flax"
@@ -215,60 +216,16 @@ def minutes(seconds):
 
 
 def write_end_to_end(out, report):
+    """results.json, results.md (end_to_end_table) and curves.png (the eval loss by step and by second)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     (out / "results.json").write_text(json.dumps(report, indent=2, sort_keys=True))
-    e2e, w = report["end_to_end"], report["workload"]
-    rows, ran = e2e["modes"], [r for r in e2e["modes"] if "eval_loss" in r]
-    cell = {
-        r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else ("skipped" if "skipped" in r else "failed") for r in rows
-    }
-    lines = [
-        f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)",
-        "",
-        f"{report['machine']['cpu']} (bf16: {report['machine']['bf16']}), {report['machine']['cores']} cores; {report['date']}. "
-        f"Command: `{report['command']}`. "
-        f"{w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning rate {w['learning_rate']} after "
-        f"{warmup_steps_for(w['steps'])} warm-up steps with linear decay, no gradient clipping, the same initial weights, tokenizer, text and held-out blocks; "
-        f"evaluation every {w['eval_steps']} steps. Wall time of each whole command:",
-        "",
-        "| task | " + " | ".join(cell) + " |",
-        "| --- |" + " ---: |" * len(cell),
-        "| MLM | " + " | ".join(cell.values()) + " |",
-        "",
-        "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) | peak RSS (MB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        if "eval_loss" in r:
-            reached = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "not reached"
-            lines.append(
-                f"| {r['mode']} | {minutes(r['wall_s'])} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['eval_loss']:.4f} | "
-                f"{100 * r['eval_accuracy']:.2f} % | {reached} | {r['peak_rss_mb']:,.0f} |"
-            )
-        else:
-            lines.append(
-                f"| {r['mode']} | {'skipped: ' + r['skipped'] if 'skipped' in r else 'failed: ' + r['error']} |"
-                + " |" * 6
-            )
-    lines += [
-        "",
-        f"Target eval loss: {e2e['target_loss']:.4f}"
-        + (" (given)" if report["target_given"] else " (the worst final eval loss)")
-        if e2e["target_loss"] is not None
-        else "No mode finished.",
-    ]
-    if e2e["parity_gap"]:
-        lines.append(
-            f"Largest gap between the eval-loss curves at a common step: {e2e['parity_gap'][0]:.4f} (step {e2e['parity_gap'][1]}); "
-            "each script masks with its own random draws, so the curves agree to that noise, not bitwise."
-        )
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / "results.md").write_text("\n".join(end_to_end_table(report)) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in ran:
+    for r in (r for r in report["end_to_end"]["modes"] if "eval_loss" in r):
         steps, losses, seconds = zip(*r["curve"], strict=True) if r["curve"] else ((), (), ())
         axes[0].plot(steps, losses, marker="o", label=r["mode"])
         axes[1].plot(seconds, losses, marker="o", label=r["mode"])
@@ -276,10 +233,58 @@ def write_end_to_end(out, report):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("eval loss")
         ax.legend()
-    fig.suptitle(f"RoBERTa {w['size']} MLM end to end, {report['machine']['cpu']}")
+    fig.suptitle(f"RoBERTa {report['workload']['size']} MLM end to end, {report['machine']['cpu']}")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=100)
     plt.close(fig)
+
+
+def end_to_end_table(report):
+    """results.md's lines: the original README's table shape (a row per task, a column per mode), then a row a mode."""
+    e2e, w, machine = report["end_to_end"], report["workload"], report["machine"]
+    rows = e2e["modes"]
+    cell = {
+        r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else "skipped" if "skipped" in r else "failed" for r in rows
+    }
+    lines = [
+        f"# MLM end to end: the real scripts, RoBERTa {w['size']} ({w['num_params'] / 1e6:.2f} M parameters)",
+        "",
+        f"{machine['cpu']} (bf16: {machine['bf16']}), {machine['cores']} cores; {report['date']}. "
+        f"Command: `{report['command']}`. {w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning "
+        f"rate {w['learning_rate']} after {warmup_steps_for(w['steps'])} warm-up steps with linear decay, no gradient "
+        "clipping, the same initial weights, tokenizer, text and held-out blocks; evaluation every "
+        f"{w['eval_steps']} steps. Wall time of each whole command:",
+        "",
+        "| task | " + " | ".join(cell) + " |",
+        "| --- |" + " ---: |" * len(cell),
+        "| MLM | " + " | ".join(cell.values()) + " |",
+        "",
+        "| mode | wall time | training (s) | tokens/s | eval loss | eval accuracy | time to target (s) "
+        "| peak RSS (MB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "eval_loss" not in r:
+            why = "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"]
+            lines.append(f"| {r['mode']} | {why} |" + " |" * 6)
+            continue
+        reached = f"{r['time_to_target_s']:.1f}" if r["time_to_target_s"] is not None else "not reached"
+        lines.append(
+            f"| {r['mode']} | {minutes(r['wall_s'])} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['eval_loss']:.4f} | {100 * r['eval_accuracy']:.2f} % | {reached} | {r['peak_rss_mb']:,.0f} |"
+        )
+    if e2e["target_loss"] is None:
+        lines += ["", "No mode finished."]
+    else:
+        given = " (given)" if report["target_given"] else " (the worst final eval loss)"
+        lines += ["", f"Target eval loss: {e2e['target_loss']:.4f}{given}"]
+    if e2e["parity_gap"]:
+        gap, step = e2e["parity_gap"]
+        lines.append(
+            f"Largest gap between the eval-loss curves at a common step: {gap:.4f} (step {step}); each script masks "
+            "with its own random draws, so the curves agree to that noise, not bitwise."
+        )
+    return lines
 
 
 def run_end_to_end(args, out, work, size, command):

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The runtime comparison on a GPU, on the GPU machine's own stack (Python 3.12, jax 0.11, torch 2.11, no TensorFlow):
-# roberta-base MLM at the original README's per-device 128 x 128, the six modes of `run_benchmark.py --modes gpu`
-# (Flax fp32, ours --dtype bfloat16, upstream's bfloat16; PyTorch fp32, bf16 autocast, torch.compile bf16), each in
-# its own process on the same weights and batches. Our pins of what that image lacks or has at other versions
+# roberta-base MLM at the original README's per-device 128 x 128, the seven modes of `run_benchmark.py --modes gpu`
+# (Flax fp32 and ours --dtype bfloat16, run_mlm_flax.py's own step; upstream's bfloat16; PyTorch fp32, bf16 autocast,
+# torch.compile bf16; every head at the masked positions, and PyTorch's at every position as the reference row), each
+# in its own process on the same weights and batches. Our pins of what that image lacks or has at other versions
 # (transformers 4.57 still has Flax) travel as wheels.
 #   bash benchmarks/gpu.sh wheels        here: download those wheels (Python 3.12, manylinux) into .whl/ (20 MB)
 #   bash benchmarks/gpu.sh rehearse OUT  here: the same command on this CPU with a tiny model, in a Python 3.12 venv of
 #                                        the GPU machine's versions (VENV312, default /tmp/venv312; built on first use)
 #   bash benchmarks/gpu.sh run OUT       on the GPU machine, .whl/ beside the repository: install the wheels into
-#                                        /tmp/site, then the benchmark (about 6 minutes on an H200)
+#                                        /tmp/site, then the benchmark (about 7 minutes on an H200, by the six modes' 6)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 datasets==5.0.1 dill==0.4.1
@@ -33,10 +34,9 @@ case "${1:-}" in
   rehearse)
     need_out "${2:-}" rehearse; need_wheels
     venv=${VENV312:-/tmp/venv312}
-    if [ ! -x "$venv/bin/python" ]; then
-      "$(pyenv root 2> /dev/null || echo ~/.pyenv)"/versions/3.12*/bin/python3.12 -m venv "$venv"
-      "$venv/bin/python" -m pip install -q "${STACK[@]}"
-    fi
+    [ -x "$venv/bin/python" ] || "$(pyenv root 2> /dev/null || echo ~/.pyenv)"/versions/3.12*/bin/python3.12 -m venv "$venv"
+    # with the wheels' own dependencies (pandas, pyarrow, httpx, ...: the GPU image has them); seconds once installed
+    "$venv/bin/python" -m pip install -q "${STACK[@]}" .whl/*.whl
     "$venv/bin/python" -m pip install -q --no-deps --force-reinstall .whl/*.whl
     "$venv/bin/python" "${BENCH[@]}" --quick --steps 4 --warmup_steps 1 --output_dir "$2" ;;
   run)

@@ -115,7 +115,8 @@ def build_parser():
         "--end_to_end",
         action="store_true",
         help="Run the real training scripts instead (flax/run_mlm_flax.py, "
-        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): whole-command wall time, eval curves, time to a target.",
+        "pytorch/run_mlm.py eager and --bf16, xla_spawn.py, tensorflow/run_mlm.py fp32 and --bfloat16): "
+        "whole-command wall time, eval curves, time to a target.",
     )
     parser.add_argument(
         "--eval_steps", type=int, default=None, help="--end_to_end: evaluate every K steps (default: steps / 4)."

@@ -196,7 +196,8 @@ def prepare_data(work, args, size, bar):
     steps, batch_size = args.steps, size["batch_size"]
     if len(grouped) < steps * batch_size:
         fail(
-            f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch ({steps * batch_size}); "
+            f"{len(grouped)} blocks of {size['seq_len']} tokens are fewer than --steps x batch "
+            f"({steps * batch_size}); "
             "raise --preprocess_lines or lower --steps"
         )
     order = np.random.default_rng(args.seed).permutation(len(grouped))[: steps * batch_size]

@@ -264,7 +264,8 @@ def test_each_gpu_mode_profiles_where_its_step_goes(gpu_modes):
 
 def test_a_gpu_row_is_measured_against_the_published_peak_of_its_products():
     """On a GPU, MFU is taken against NVIDIA's published dense peak for the precision the products ran in (JAX's
-    f32 products run in TF32 there), the table names it and the device's peak memory, and the goals speak of the GPU."""
+    f32 products run in TF32 there), the table names it and the device's peak memory, and the goals speak of the
+    GPU."""
     gpu = {"name": "NVIDIA H200", "driver": "580.159.04", "memory": "143771 MiB", "count": 1}
     peaks = workload.gpu_peaks(gpu)
     assert peaks == {"bf16": 989_400.0, "tf32": 494_700.0, "fp32": 66_900.0}
