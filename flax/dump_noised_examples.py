@@ -25,7 +25,8 @@ def fail(message):
 
 
 def load_script(path):
-    """A Flax training script imported by its path, under a name of its own (flax/ shares its name with the package)."""
+    """A Flax training script imported by its path, under a name of its own
+    (flax/ shares its name with the package)."""
     if not os.path.isfile(path):
         fail(f"{path} does not exist: name a Flax training script, such as flax/run_mlm_flax.py")
     spec = importlib.util.spec_from_file_location("dumped_" + os.path.basename(path)[:-3], path)

@@ -94,7 +94,8 @@ def main(argv=None):
         fail(f"--model_dir {args.model_dir} has no flax_model.msgpack")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         fail(
-            f"--model_dir {args.model_dir} has weights but no config.json; export the folder a Flax script's save_pretrained wrote"
+            f"--model_dir {args.model_dir} has weights but no config.json; "
+            "export the folder a Flax script's save_pretrained wrote"
         )
     if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite_output_dir:
         fail(f"output directory {args.output_dir} is not empty; pass --overwrite_output_dir to write into it")
@@ -114,7 +115,8 @@ def main(argv=None):
         flax_model, params = flax_cls.from_pretrained(args.model_dir, _do_init=False)
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file becomes one line
         fail(
-            f"cannot read {weights} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is the file complete?"
+            f"cannot read {weights} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); is the file complete?"
         )
     pt_model.tie_weights()
     pt_model.eval()

@@ -183,7 +183,8 @@ def check_hub_name(flag, name):
         except requests.RequestException:
             fail(
                 f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a "
-                "config folder (tokenizers/create_config.py --model_type bert), or set HF_HUB_OFFLINE=1 to use the local cache"
+                "config folder (tokenizers/create_config.py --model_type bert), "
+                "or set HF_HUB_OFFLINE=1 to use the local cache"
             )
 
 
@@ -195,7 +196,8 @@ def build_model(args):
             fail(f"--config_name {args.config_name!r}: {str(e).splitlines()[0]}")
         if config.model_type != "bert":
             fail(
-                f"--config_name {args.config_name!r} is a {config.model_type} config; this script times BERT: pass a bert one"
+                f"--config_name {args.config_name!r} is a {config.model_type} config; "
+                "this script times BERT: pass a bert one"
             )
     else:
         config = BertConfig()  # its defaults are bert-base-uncased: 12 layers, hidden 768, vocab 30522
@@ -248,7 +250,8 @@ def parse_args(argv=None):
         and not os.path.isfile(os.path.join(args.config_name, "config.json"))
     ):
         fail(
-            f"--config_name {args.config_name} holds no config.json; write one with tokenizers/create_config.py --model_type bert"
+            f"--config_name {args.config_name} holds no config.json; "
+            "write one with tokenizers/create_config.py --model_type bert"
         )
     if args.output_file:  # found now, not after the timing
         folder = os.path.dirname(os.path.abspath(args.output_file))
@@ -262,6 +265,11 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    # Not jax's "Unable to initialize backend 'tpu'" (none is looked for here), nor transformers' note that its Flax
+    # classes go in v5 (4.57.6, the last with them, is pinned on purpose).
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    deprecated = "TensorFlow and JAX classes are deprecated and will be removed in Transformers v5"
+    logging.getLogger("transformers.modeling_flax_utils").addFilter(lambda r: deprecated not in r.getMessage())
     warn_if_bf16_is_slow("--precision", args.precision)
     model, params, config = build_model(args)
     rng = np.random.default_rng(args.seed)

@@ -64,7 +64,8 @@ os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_TORCH", "0")
 if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
     sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: "
+        "bash run.sh setup, then source .venv/bin/activate"
     )
 if (
     not sys.stderr.isatty()
@@ -269,8 +270,8 @@ def preprocess(raw_datasets, data_args, tokenizer, max_seq_length):
                 logger.warning(
                     f"--line_by_line: {np.count_nonzero(cut):,} of {len(cut):,} {split} lines are longer than "
                     f"--max_seq_length {max_seq_length} and were cut, dropping {cut.sum():,} of their "
-                    f"{cut.sum() + kept[cut > 0].sum():,} tokens ({100 * cut.sum() / (cut.sum() + kept.sum()):.1f} % of "
-                    f"all {split} tokens); raise --max_seq_length to keep them"
+                    f"{cut.sum() + kept[cut > 0].sum():,} tokens ({100 * cut.sum() / (cut.sum() + kept.sum()):.1f} % "
+                    f"of all {split} tokens); raise --max_seq_length to keep them"
                 )
         return tokenized.remove_columns(["kept", "cut"])
     # Every text becomes a sequence with its special tokens; group_texts then packs them into blocks.
@@ -748,8 +749,11 @@ def parse_args(argv=None):
 
 
 # What each numeric argument must be, and the words an argument takes: checked before any work.
-POSITIVE = """per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps
-eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples shuffle_buffer_size"""
+POSITIVE = (
+    "per_device_train_batch_size per_device_eval_batch_size gradient_accumulation_steps logging_steps save_steps\n"
+    "eval_steps save_total_limit peak_tflops learning_rate adam_epsilon max_train_samples max_eval_samples "
+    "shuffle_buffer_size"
+)
 RANGES = (
     (lambda value: value > 0, "positive", POSITIVE),
     (lambda value: value >= 0, "non-negative", "weight_decay warmup_steps"),
@@ -776,9 +780,16 @@ def setup_logging(log_level):
     datasets.utils.logging.set_verbosity(max(level, logging.WARNING))
     logging.getLogger("absl").setLevel(max(level, logging.WARNING))  # Orbax logs every file it writes at INFO
     logging.getLogger(xla_bridge.__name__).setLevel(max(level, logging.WARNING))  # "Unable to initialize ... 'tpu'"
+    # transformers 4.57.6 is pinned on purpose, the last release with Flax models: its warning that they go in v5 is
+    # no news to a run of this script.
+    for name in ("modeling_flax_utils", "tokenization_utils_base"):
+        logging.getLogger(f"transformers.{name}").addFilter(lambda record: DEPRECATED not in record.getMessage())
     # A damaged checkpoint's reads, abandoned when Orbax's restore fails, are each reported again when collected.
     logging.getLogger("asyncio").filters = [lambda record: "exception was never retrieved" not in record.getMessage()]
     sys.unraisablehook = lambda u: "while reading array index" in str(u.exc_value) or sys.__unraisablehook__(u)
+
+
+DEPRECATED = "TensorFlow and JAX classes are deprecated and will be removed in Transformers v5"
 
 
 def validate_args(model_args, data_args, training_args):
@@ -820,8 +831,9 @@ def validate_args(model_args, data_args, training_args):
         # Not a local path: a hub id (HF_HUB_OFFLINE=1: one missing from the local cache fails where it is loaded).
         if path is not None and not os.path.exists(path) and hub_reachable() is False:
             fail(
-                f"--{flag} {path!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass local files instead "
-                "(--train_file/--validation_file for data, a folder for models/tokenizers; see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+                f"--{flag} {path!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass "
+                "local files instead (--train_file/--validation_file for data, a folder for models/tokenizers; "
+                "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
             )
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "config.json")):
@@ -855,7 +867,8 @@ def check_data_file(flag, path, whole=True):
 
 
 def start_process(model_args, training_args):
-    """Join a multi-host run and set this process up; returns output_dir's lock (process 0's), to hold while it runs."""
+    """Join a multi-host run and set this process up; returns output_dir's lock (process 0's),
+    to hold while it runs."""
     init_distributed(training_args.heartbeat_timeout_seconds)
     if jax.process_count() > 1:
         watch_processes(training_args.output_dir, training_args.heartbeat_timeout_seconds)
@@ -889,7 +902,8 @@ def lock_output_dir(output_dir):
     except OSError:
         lock.seek(0)
         fail(
-            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; "
+            "wait for it to end, or choose another --output_dir"
         )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
@@ -1010,13 +1024,15 @@ def load_raw_datasets(model_args, data_args):
             if "train" in raw:
                 if raw["train"].num_shards % jax.process_count():
                     logger.warning(
-                        f"the training stream has {raw['train'].num_shards} file(s), not a multiple of the {jax.process_count()} processes: each process reads all of it to keep its rows"
+                        f"the training stream has {raw['train'].num_shards} file(s), not a multiple of the "
+                        f"{jax.process_count()} processes: each process reads all of it to keep its rows"
                     )
                 raw["train"] = split_dataset_by_node(raw["train"], jax.process_index(), jax.process_count())
         elif "validation" not in raw.keys() and "train" in raw.keys():
             if round(len(raw["train"]) * pct / 100) == 0:
                 fail(
-                    f"{source} is too short to split {pct} % off for validation (it has {len(raw['train'])} examples); give --validation_file, or more text"
+                    f"{source} is too short to split {pct} % off for validation (it has "
+                    f"{len(raw['train'])} examples); give --validation_file, or more text"
                 )
             raw["validation"], raw["train"] = load(split=f"train[:{pct}%]"), load(split=f"train[{pct}%:]")
     except Exception as e:  # noqa: BLE001 - a dataset that cannot be read becomes one line
@@ -1073,7 +1089,8 @@ def text_column(raw_datasets, data_args):
         return columns[0]
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     fail(
-        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'"
+        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); "
+        "name the column that holds the text 'text'"
     )
 
 
@@ -1124,7 +1141,8 @@ def check_noise_is_pure(collator, dataset, seed):
     first, again = (collate_batch(collator, dataset[ids], (seed, 0), ids, len(ids)) for _ in range(2))
     if any(not np.array_equal(first[key], again[key]) for key in first):
         fail(
-            "collate_batch noised the same rows differently when called again: draw the noise from (*seed, row id) alone (numpy.random.default_rng([*seed, row_id])), or a resume cannot be exact"
+            "collate_batch noised the same rows differently when called again: draw the noise from (*seed, row id) "
+            "alone (numpy.random.default_rng([*seed, row_id])), or a resume cannot be exact"
         )
 
 
@@ -1277,19 +1295,24 @@ def load_config_and_tokenizer(model_args, gradient_checkpointing=False):
     remat = getattr(flax_class, "enable_gradient_checkpointing", None)  # not every Flax model overrides it
     if config.model_type not in MODEL_TYPES:
         fail(
-            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; choose one of {', '.join(MODEL_TYPES)}"
+            f"config model_type {config.model_type!r} has no Flax {OBJECTIVE} model; "
+            f"choose one of {', '.join(MODEL_TYPES)}"
         )
     if config.vocab_size < len(tokenizer):
         fail(
-            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
+            f"the config's vocab_size ({config.vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "rebuild the config with tokenizers/create_config.py --tokenizer_name ..."
         )
     if uneven:
         fail(
-            f"the config's hidden size {config.hidden_size} is not divisible by its {uneven[0]} attention heads; fix it (tokenizers/create_config.py --config_overrides)"
+            f"the config's hidden size {config.hidden_size} is not divisible by its {uneven[0]} attention heads; "
+            "fix it (tokenizers/create_config.py --config_overrides)"
         )
     if gradient_checkpointing and remat is transformers.FlaxPreTrainedModel.enable_gradient_checkpointing:
         fail(
-            f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its activations; drop the flag, or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps"
+            f"--gradient_checkpointing: transformers' Flax {config.model_type} model cannot recompute its "
+            "activations; drop the flag, "
+            "or save memory with --fsdp full_shard or a smaller batch and --gradient_accumulation_steps"
         )
     return config, tokenizer
 
@@ -1400,22 +1423,26 @@ def plan_training(training_args, dataset, max_seq_length):
     plan.steps_per_epoch = args.max_steps if streamed else plan.num_train_examples // plan.train_batch_size
     if plan.steps_per_epoch == 0:
         fail(
-            f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one global batch of {plan.train_batch_size} "
-            f"({batch}); use more text or a smaller --per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
+            f"the train set has {plan.num_train_examples} rows of up to {max_seq_length} tokens, fewer than one "
+            f"global batch of {plan.train_batch_size} ({batch}); "
+            f"use more text or a smaller --per_device_train_batch_size/--gradient_accumulation_steps/--{LENGTH_FLAG}"
         )
     plan.total_steps = args.max_steps if args.max_steps > 0 else int(plan.steps_per_epoch * args.num_train_epochs)
     plan.num_epochs = math.ceil(plan.total_steps / plan.steps_per_epoch)
     if plan.total_steps <= 0:
         fail(
-            f"no training step to run: --num_train_epochs {args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
+            "no training step to run: "
+            f"--num_train_epochs {args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
         )
     if args.warmup_steps > plan.total_steps:
         logger.warning(
-            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning rate only reaches "
-            f"{args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, not --learning_rate {args.learning_rate:g}"
+            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
+            f"rate only reaches {args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, "
+            f"not --learning_rate {args.learning_rate:g}"
         )
     logger.info(
-        f"***** Running training *****\n  Num examples = {plan.num_train_examples or 'streamed'}\n  Num epochs = {plan.num_epochs}\n"
+        f"***** Running training *****\n  Num examples = {plan.num_train_examples or 'streamed'}\n"
+        f"  Num epochs = {plan.num_epochs}\n"
         f"  Global batch size = {plan.train_batch_size} ({batch})\n  Total optimization steps = {plan.total_steps}"
     )
     return plan
@@ -1460,7 +1487,8 @@ def fit_attention(config, length):
         config.attention_type = "original_full"
     elif length % block:
         fail(
-            f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's block-sparse attention: pass {length - length % block} or {length - length % block + block}"
+            f"--{LENGTH_FLAG} {length} is not a multiple of {block}, the block size of the model's "
+            f"block-sparse attention: pass {length - length % block} or {length - length % block + block}"
         )
 
 
@@ -1763,7 +1791,9 @@ def fetch_metrics(loop, progress):
 def stop_diverged(step, what, progress):
     last = progress.last_checkpoint and f"the last good checkpoint is {progress.last_checkpoint}"
     fail(
-        f"step {step}: {what}; training stopped and nothing from this step on was saved; {last or 'no checkpoint was written'}. Lower --learning_rate or raise --warmup_steps, then resume with --resume_from_checkpoint"
+        f"step {step}: {what}; training stopped and nothing from this step on was saved; "
+        f"{last or 'no checkpoint was written'}. Lower --learning_rate or raise --warmup_steps, "
+        "then resume with --resume_from_checkpoint"
     )
 
 
@@ -1867,13 +1897,15 @@ def find_checkpoint(training_args, model_args):
         return [path]
     if resume == "true":
         return [path for _, path in reversed(complete)] or fail(
-            f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; drop the flag to start afresh"
+            f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; "
+            "drop the flag to start afresh"
         )
     if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
         return None
     if training_args.do_train and complete:
         fail(
-            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: add --resume_from_checkpoint to continue it, or --overwrite_output_dir to start afresh"
+            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: "
+            "add --resume_from_checkpoint to continue it, or --overwrite_output_dir to start afresh"
         )
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock", "noised_examples.jsonl"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
@@ -1882,7 +1914,8 @@ def find_checkpoint(training_args, model_args):
     own_model = model is not None and os.path.realpath(model) == os.path.realpath(output_dir)
     if results and (results[0] == "eval_results.json" or not own_model):
         fail(
-            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass --overwrite_output_dir to replace them, or choose another --output_dir"
+            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); "
+            "pass --overwrite_output_dir to replace them, or choose another --output_dir"
         )
     return None
 
@@ -1918,7 +1951,8 @@ def save_checkpoint(state, progress, run):
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
     if (free := shutil.disk_usage(output_dir).free) < 1.1 * needed + (1 << 20):
         fail(
-            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB free; {last}. Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
+            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
+            f"free; {last}. Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
         )
     trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
     trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
@@ -1977,8 +2011,9 @@ def restore_checkpoint(paths, abstract_state, run):
     changed = ", ".join(f"{k} {v} -> {run.data.get(k)}" for k, v in saved["data"].items() if run.data.get(k) != v)
     if changed and not run.args.ignore_data_skip:
         fail(
-            f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the data, "
-            "tokenizer, length, seed, global batch and resume_checks that wrote it, or add --ignore_data_skip to start its epoch afresh"
+            f"{path} was written for other data ({changed}), so its data position means nothing here; resume with the "
+            "data, tokenizer, length, seed, global batch and resume_checks that wrote it, "
+            "or add --ignore_data_skip to start its epoch afresh"
         )
     if changed:
         logger.warning(f"--ignore_data_skip: {path} was written for other data ({changed}); starting its epoch afresh")
@@ -1991,11 +2026,13 @@ def restore_checkpoint(paths, abstract_state, run):
     schedule = [plan.total_steps, run.args.warmup_steps, run.args.learning_rate]
     if saved["schedule"] != schedule:
         logger.warning(
-            f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: {saved['schedule']} -> {schedule}): the rate at step {progress.global_step} changes at once"
+            f"{path} was written for another learning-rate schedule (steps, warm-up steps, peak: "
+            f"{saved['schedule']} -> {schedule}): the rate at step {progress.global_step} changes at once"
         )
     if progress.global_step >= plan.total_steps:
         fail(
-            f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: nothing left to train, every file left as it was; raise --max_steps or --num_train_epochs to train on"
+            f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: "
+            "nothing left to train, every file left as it was; raise --max_steps or --num_train_epochs to train on"
         )
     logger.info(f"Resuming at step {progress.global_step} from {path}")
     return state, progress
@@ -2014,7 +2051,9 @@ def read_checkpoint(path, abstract_state):
                 if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
                     there = "missing" if key not in stored else tuple(stored[key].shape)
                     fail(
-                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and {tuple(leaf.shape)} here; resume with the config that wrote it, or start afresh with --overwrite_output_dir"
+                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and "
+                        f"{tuple(leaf.shape)} here; resume with the config that wrote it, "
+                        "or start afresh with --overwrite_output_dir"
                     )
             target = {name: getattr(abstract_state, name) for name in ("step", "params", "opt_state")}
             restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())

@@ -51,7 +51,8 @@ def fail(message):
 def topology_devices(name):
     """The devices of the TPU slice `name` (from libtpu: TPU_LIBRARY_PATH, or the libtpu package) or of `name`'s GPUs
     (GPU[:COUNT], from jax's CUDA plugin), one device's memory in bytes, and their description: no TPU or GPU needed.
-    On v4 and v5p, asked for chip_config_name "megacore", libtpu gives a chip's two cores as one device, as they run."""
+    On v4 and v5p, asked for chip_config_name "megacore", libtpu gives a chip's two cores as one device,
+    as they run."""
     os.environ["LM_CPU_BF16"] = "0"  # this CPU's bf16 choices (transposes_pay) stay out of the program
     jax.config.update("jax_platforms", "cpu")  # the chip is a target to compile for, not a backend to look for
     gpu, _, count = name.lower().partition(":")
@@ -104,7 +105,8 @@ def gpu_devices(gpu, count):
 
 
 def load_script(path):
-    """A Flax training script imported by its path, under a name of its own (flax/ shares its name with the package)."""
+    """A Flax training script imported by its path, under a name of its own
+    (flax/ shares its name with the package)."""
     if not os.path.isfile(path):
         fail(f"{path} does not exist: name a Flax training script, such as flax/run_mlm_flax.py")
     spec = importlib.util.spec_from_file_location("compiled_" + os.path.basename(path)[:-3], path)

@@ -52,7 +52,8 @@ os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_FLAX", "0")
 if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
     sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh "
+        "setup, then source .venv/bin/activate"
     )
 # A captured log (no terminal) gets a progress bar line every 30 s, not one every 0.1 s joined by carriage returns.
 if not sys.stderr.isatty():
@@ -94,7 +95,9 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."
+            "help": (
+                "The model checkpoint for weights initialization. Don't set if you want to train a model from scratch."
+            )
         },
     )
     model_type: str | None = field(
@@ -104,7 +107,10 @@ class ModelArguments:
     config_overrides: str | None = field(
         default=None,
         metadata={
-            "help": "Override some existing default config settings when a model is trained from scratch. Example: n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"
+            "help": (
+                "Override some existing default config settings when a model is trained from scratch. Example: "
+                "n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"
+            )
         },
     )
     config_name: str | None = field(
@@ -142,7 +148,10 @@ class ModelArguments:
     low_cpu_mem_usage: bool = field(
         default=False,
         metadata={
-            "help": "Create the model as an empty shell, then materialize its parameters when the pretrained weights are loaded."
+            "help": (
+                "Create the model as an empty shell, then materialize its parameters when the pretrained weights are "
+                "loaded."
+            )
         },
     )
 
@@ -174,7 +183,10 @@ class DataTrainingArguments:
     max_seq_length: int | None = field(
         default=None,
         metadata={
-            "help": "The maximum total input sequence length after tokenization (default: the tokenizer's, capped by the model's positions)."
+            "help": (
+                "The maximum total input sequence length after tokenization (default: the tokenizer's, capped by the "
+                "model's positions)."
+            )
         },
     )
     preprocessing_num_workers: int | None = field(
@@ -190,19 +202,28 @@ class DataTrainingArguments:
     pad_to_max_length: bool = field(
         default=False,
         metadata={
-            "help": "Whether to pad all samples to `max_seq_length`. If False, will pad the samples dynamically when batching to the maximum length in the batch."
+            "help": (
+                "Whether to pad all samples to `max_seq_length`. If False, will pad the samples dynamically when "
+                "batching to the maximum length in the batch."
+            )
         },
     )
     max_train_samples: int | None = field(
         default=None,
         metadata={
-            "help": "For debugging purposes or quicker training, truncate the number of training examples to this value if set."
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of training examples to this value "
+                "if set."
+            )
         },
     )
     max_eval_samples: int | None = field(
         default=None,
         metadata={
-            "help": "For debugging purposes or quicker training, truncate the number of evaluation examples to this value if set."
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
+                "value if set."
+            )
         },
     )
     streaming: bool = field(default=False, metadata={"help": "Enable streaming mode (needs --max_steps)."})
@@ -331,7 +352,8 @@ def validate_args(model_args, data_args, training_args):
         extensions = {path.split(".")[-1] for path in (data_args.train_file, data_args.validation_file)}
         if len(extensions) > 1:
             fail(
-                f"--train_file and --validation_file must have the same extension (one loader reads both), got {sorted(extensions)}"
+                "--train_file and --validation_file must have the same extension (one loader reads both), got "
+                f"{sorted(extensions)}"
             )
     if not 0.0 < data_args.mlm_probability < 1.0:
         fail(f"--mlm_probability must be in (0, 1), got {data_args.mlm_probability}")
@@ -393,7 +415,8 @@ def check_data_file(flag, path):
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
                 fail(
-                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it "
+                    "first, "
                     "e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(newline)
@@ -429,7 +452,8 @@ def lock_output_dir(output_dir):
     except OSError:
         lock.seek(0)
         fail(
-            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or "
+            "choose another --output_dir"
         )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -461,7 +485,8 @@ def check_checkpoint_config(checkpoint, config):
     ]
     if differing:
         fail(
-            f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that wrote it, "
+            f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that "
+            "wrote it, "
             "or start afresh with --overwrite_output_dir"
         )
 
@@ -490,7 +515,8 @@ def find_checkpoint(training_args):
     if not training_args.do_train:
         if os.path.exists(os.path.join(output_dir, "eval_results.json")):
             fail(
-                f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or choose another --output_dir"
+                f"{output_dir} already holds an eval_results.json; pass --overwrite_output_dir to replace it, or "
+                "choose another --output_dir"
             )
         return None
     for path in checkpoints_newest_first(output_dir):
@@ -710,11 +736,13 @@ def load_raw_datasets(model_args, data_args):
         if "validation" not in raw.keys() and "train" in raw.keys():
             if data_args.streaming:
                 fail(
-                    "--streaming needs a validation split: pass --validation_file (a stream cannot be split by percentage)"
+                    "--streaming needs a validation split: pass --validation_file (a stream cannot be split by "
+                    "percentage)"
                 )
             if round(len(raw["train"]) * split_pct / 100) == 0:
                 fail(
-                    f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} examples); "
+                    f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} "
+                    "examples); "
                     "give --validation_file, or more text"
                 )
             raw["validation"] = load(split=f"train[:{split_pct}%]")
@@ -737,7 +765,8 @@ def text_column(raw_datasets, data_args):
         return columns[0]
     source = data_args.dataset_name or data_args.train_file or data_args.validation_file
     fail(
-        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the text 'text'"
+        f"{source} has no column named 'text' (its columns: {', '.join(columns)}); name the column that holds the "
+        "text 'text'"
     )
 
 
@@ -775,7 +804,8 @@ def load_config_and_tokenizer(model_args):
     if model_args.model_type not in (None, config.model_type):
         source = model_args.config_name or model_args.model_name_or_path
         fail(
-            f"--model_type {model_args.model_type}, but {source} holds a {config.model_type} config; drop one of the two"
+            f"--model_type {model_args.model_type}, but {source} holds a {config.model_type} config; drop one of the "
+            "two"
         )
     if config.model_type not in MODEL_TYPES:
         fail(f"config model_type {config.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
@@ -788,7 +818,8 @@ def load_config_and_tokenizer(model_args):
         fail(f"tokenizer {tokenizer_source!r} has no mask token, which masked language modelling needs")
     if config.hidden_size % config.num_attention_heads:
         fail(
-            f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} attention heads; "
+            f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} "
+            "attention heads; "
             "fix the config (tokenizers/create_config.py --config_overrides)"
         )
     return config, tokenizer
@@ -871,7 +902,8 @@ def preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length
                     logger.warning(
                         f"--line_by_line: {np.count_nonzero(cut):,} of {len(cut):,} {split} lines are longer than "
                         f"--max_seq_length {max_seq_length} and were cut, dropping {cut.sum():,} of their "
-                        f"{cut.sum() + kept[cut > 0].sum():,} tokens ({100 * cut.sum() / (cut.sum() + kept.sum()):.1f} % "
+                        f"{cut.sum() + kept[cut > 0].sum():,} tokens "
+                        f"({100 * cut.sum() / (cut.sum() + kept.sum()):.1f} % "
                         f"of all {split} tokens); raise --max_seq_length to keep them"
                     )
             raw_datasets = raw_datasets.remove_columns(["kept", "cut"])
@@ -902,6 +934,16 @@ def setup_logging(training_args):
     transformers.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.enable_default_handler()
     transformers.utils.logging.enable_explicit_format()
+    for name, text in QUIET.items():
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+
+
+# transformers' lines that read as errors or point to a hub this project never uses: the Trainer's reminder to share
+# the model, and the model card's note on each result it leaves out (the card is written all the same).
+QUIET = {
+    "transformers.trainer": "Do not forget to share your model on huggingface.co",
+    "transformers.modelcard": "Dropping the following result as it does not have all the necessary fields",
+}
 
 
 def prepare_training_args(training_args):
@@ -913,7 +955,8 @@ def prepare_training_args(training_args):
     # is exactly the model's input, so the Trainer must pass every column through.
     training_args.remove_unused_columns = False
     logger.warning(
-        f"Process rank: {training_args.local_rank}, device: {training_args.device}, world size: {training_args.world_size}, "
+        f"Process rank: {training_args.local_rank}, device: {training_args.device}, world size: "
+        f"{training_args.world_size}, "
         f"distributed training: {training_args.parallel_mode.value == 'distributed'}, "
         f"16-bits training: {training_args.fp16 or training_args.bf16}"
     )
@@ -939,7 +982,8 @@ def load_model(model_args, config, tokenizer):
             )
         except Exception as e:  # noqa: BLE001 - a missing, truncated or corrupt weights file becomes one line
             fail(
-                f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"cannot load the model {model_args.model_name_or_path!r} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); "
                 "is its weights file complete?"
             )
     else:
@@ -1043,11 +1087,12 @@ def run_training(trainer, train_dataset, last_checkpoint, data_args, training_ar
         total = trainer.set_initial_training_values(training_args, trainer.get_train_dataloader(), 1)[-1]
         if done >= total:
             fail(
-                f"{last_checkpoint} is at step {done} and this run ends at step {total}: nothing left to train, every file "
+                f"{last_checkpoint} is at step {done} and this run ends at step {total}: nothing left to train, "
+                "every file "
                 "left as it was; raise --max_steps or --num_train_epochs to train on"
             )
-    # transformers 4.57 reads a multi-process CPU run's optimizer state onto the device "cpu:RANK", a location torch.load
-    # does not know: such storages stay where they were read, on the CPU.
+    # transformers 4.57 reads a multi-process CPU run's optimizer state onto the device "cpu:RANK", a location
+    # torch.load does not know: such storages stay where they were read, on the CPU.
     torch.serialization.register_package(99, lambda _: None, lambda obj, at: obj if at.startswith("cpu:") else None)
     try:
         train_result = trainer.train(resume_from_checkpoint=last_checkpoint)

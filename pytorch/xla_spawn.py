@@ -65,7 +65,8 @@ def check_num_cores(num_cores):
     kind = device_type()
     if kind == "CPU":
         fail(
-            f"--num_cores {num_cores} needs a TPU (or GPUs with PJRT_DEVICE=CUDA), and this machine has none: PyTorch/XLA "
+            f"--num_cores {num_cores} needs a TPU (or GPUs with PJRT_DEVICE=CUDA), and this machine has none: "
+            "PyTorch/XLA "
             "cannot run collectives across several XLA:CPU devices (pytorch/xla#5005). Use --num_cores 1, or "
             f"`torchrun --nproc_per_node {num_cores} pytorch/run_mlm.py ...` for data parallel training on CPU"
         )
@@ -73,7 +74,8 @@ def check_num_cores(num_cores):
         available = tpu.num_available_devices()
         if num_cores != available:
             fail(
-                f"--num_cores {num_cores}: torch_xla spawns one process per TPU device, and this host has {available}; "
+                f"--num_cores {num_cores}: torch_xla spawns one process per TPU device, and this host has "
+                f"{available}; "
                 f"use --num_cores 1 or --num_cores {available}"
             )
     if kind in ("CUDA", "GPU"):

@@ -40,7 +40,9 @@ def fail(message):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file)."
+        description=(
+            "Prepare TFRecord shards from pre-tokenized samples of the wikitext dataset (or a local text file)."
+        )
     )
     parser.error = fail  # a bad or missing flag: one line, not a usage block
     parser.add_argument(
@@ -76,7 +78,10 @@ def parse_args(argv=None):
         "--max_length",
         type=int,
         default=512,
-        help="Maximum sequence length. For training on TPUs, it helps to have a maximum sequence length that is a multiple of 8.",
+        help=(
+            "Maximum sequence length. "
+            "For training on TPUs, it helps to have a maximum sequence length that is a multiple of 8."
+        ),
     )
     parser.add_argument(
         "--output_dir",
@@ -137,8 +142,8 @@ def check_text_file(flag, path):
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
                 fail(
-                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                    "e.g. with iconv -f latin1 -t utf-8"
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); "
+                    "convert it first, e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(newline)
     if empty:

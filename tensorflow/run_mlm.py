@@ -59,7 +59,8 @@ os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_FLAX", "0")
 if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
     sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: "
+        "bash run.sh setup, then source .venv/bin/activate"
     )
 # Without an NVIDIA driver, TensorFlow's CUDA build logs "failed call to cuInit" as an error: keep its C++ log to
 # fatal errors there (Python's exceptions still say what failed); with a GPU, its warnings and errors stay.
@@ -94,18 +95,27 @@ def add_model_args(parser):
         "--pretrained_model_config",
         type=str,
         default="FacebookAI/roberta-base",
-        help="The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). Note that we don't copy the model's weights, only the config!",
+        help=(
+            "The model config to use (a folder, e.g. from tokenizers/create_config.py, or a hub name). "
+            "Note that we don't copy the model's weights, only the config!"
+        ),
     )
     parser.add_argument(
         "--model_name_or_path",
         type=str,
-        help="Start from these TF or PyTorch weights (and their config) instead of a fresh initialisation, e.g. to compare frameworks from the same initial model.",
+        help=(
+            "Start from these TF or PyTorch weights (and their config) instead of a fresh initialisation, "
+            "e.g. to compare frameworks from the same initial model."
+        ),
     )
     parser.add_argument(
         "--tokenizer",
         type=str,
         default="unigram-tokenizer-wikitext",
-        help="The name or folder of the tokenizer (tensorflow/train_unigram.py). The model's vocab size will be set to the tokenizer's size.",
+        help=(
+            "The name or folder of the tokenizer (tensorflow/train_unigram.py). "
+            "The model's vocab size will be set to the tokenizer's size."
+        ),
     )
 
 
@@ -137,7 +147,10 @@ def add_device_args(parser):
         "--num_cpu_devices",
         type=int,
         default=1,
-        help="Without TPU or GPU: split the CPU into this many logical devices, so MirroredStrategy runs data parallel over them.",
+        help=(
+            "Without TPU or GPU: split the CPU into this many logical devices, "
+            "so MirroredStrategy runs data parallel over them."
+        ),
     )
     parser.add_argument(
         "--jit_compile",
@@ -156,7 +169,10 @@ def add_data_args(parser):
     parser.add_argument(
         "--train_dataset",
         type=str,
-        help="Path to training dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.",
+        help=(
+            "Path to training dataset to load. "
+            "If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket."
+        ),
     )
     parser.add_argument(
         "--shuffle_buffer_size", type=int, default=2**18, help="Size of the shuffle buffer (in samples)"
@@ -164,7 +180,10 @@ def add_data_args(parser):
     parser.add_argument(
         "--eval_dataset",
         type=str,
-        help="Path to evaluation dataset to load. If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket.",
+        help=(
+            "Path to evaluation dataset to load. "
+            "If the path begins with `gs://` then the dataset will be loaded from a Google Cloud Storage bucket."
+        ),
     )
 
 
@@ -197,7 +216,11 @@ def add_training_args(parser):
     parser.add_argument(
         "--full_determinism",
         action="store_true",
-        help="Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): the same seed gives the same run. Without it the masks drawn in the parallel input pipeline differ from run to run.",
+        help=(
+            "Deterministic ops and input pipeline (tf.config.experimental.enable_op_determinism): "
+            "the same seed gives the same run. "
+            "Without it the masks drawn in the parallel input pipeline differ from run to run."
+        ),
     )
 
 
@@ -210,7 +233,10 @@ def add_output_args(parser):
         "--report_to",
         choices=["tensorboard", "none"],
         default="tensorboard",
-        help="tensorboard: events under output_dir/runs/<date>_<host> with the Trainer's tags (train/loss, eval/loss, ...).",
+        help=(
+            "tensorboard: events under output_dir/runs/<date>_<host> "
+            "with the Trainer's tags (train/loss, eval/loss, ...)."
+        ),
     )
 
 
@@ -245,7 +271,8 @@ def validate_args(args):
         fail(f"--warmup_steps must not be negative, got {args.warmup_steps}")
     if args.learning_rate <= 0 or args.weight_decay_rate < 0:
         fail(
-            f"--learning_rate must be positive and --weight_decay_rate not negative, got {args.learning_rate} and {args.weight_decay_rate}"
+            "--learning_rate must be positive and --weight_decay_rate not negative, "
+            f"got {args.learning_rate} and {args.weight_decay_rate}"
         )
     if args.train_dataset is None:
         fail("--train_dataset is required: a folder of TFRecord shards from tensorflow/prepare_tfrecord_shards.py")
@@ -351,8 +378,8 @@ def count_samples(file_list):
         match = SHARD_NAME.search(filename)
         if match is None:
             fail(
-                f"shard {file}: the name must end in -<shard>-<count>.tfrecord (as prepare_tfrecord_shards.py writes), "
-                "because the sample count is read from it"
+                f"shard {file}: the name must end in -<shard>-<count>.tfrecord "
+                "(as prepare_tfrecord_shards.py writes), because the sample count is read from it"
             )
         num_samples += int(match.group(1))
     return num_samples
@@ -390,8 +417,8 @@ def check_tokenizer(flag, path, files, tokenizer):
             written = json.load(f)
         if written["vocab_sha256"] != vocab_digest(tokenizer):
             fail(
-                f"{flag} {path} was written with the tokenizer {written['tokenizer']} ({written['vocab_size']} tokens), not "
-                f"this --tokenizer ({len(tokenizer)} tokens); {again}"
+                f"{flag} {path} was written with the tokenizer {written['tokenizer']} "
+                f"({written['vocab_size']} tokens), not this --tokenizer ({len(tokenizer)} tokens); {again}"
             )
     vocab_size = len(tokenizer)
     records = tf.data.TFRecordDataset(files[:1])
@@ -582,7 +609,8 @@ def lock_output_dir(output_dir):
     except OSError:
         lock.seek(0)
         fail(
-            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; wait for it to end, or choose another --output_dir"
+            f"another run ({lock.read().strip() or 'unknown'}) is writing into {output_dir}; "
+            "wait for it to end, or choose another --output_dir"
         )
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -595,6 +623,13 @@ def configure_logging():
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO, force=True)
     transformers.utils.logging.set_verbosity_warning()
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    # transformers 4.57.6 is pinned on purpose, the last release with TF and Flax models: its warning that they go in
+    # v5 is no news to a run of this script.
+    for name in ("modeling_tf_utils", "tokenization_utils_base"):
+        logging.getLogger(f"transformers.{name}").addFilter(lambda record: DEPRECATION not in record.getMessage())
+
+
+DEPRECATION = "TensorFlow and JAX classes are deprecated and will be removed in Transformers v5"
 
 
 def split_cpu_devices(num_cpu_devices):
@@ -636,8 +671,9 @@ def check_model_sources(args):
         and not saved_weights(args.model_name_or_path)
     ):
         fail(
-            f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow or PyTorch weights ({', '.join(WEIGHTS)}"
-            "); save them with save_pretrained, or leave the flag out to start from a fresh initialisation"
+            f"--model_name_or_path {args.model_name_or_path} holds no TensorFlow or PyTorch weights "
+            f"({', '.join(WEIGHTS)}); save them with save_pretrained, "
+            "or leave the flag out to start from a fresh initialisation"
         )
     if args.hub_model_id and not hub_reachable():
         fail(
@@ -687,8 +723,8 @@ def load_tokenizer_and_config(args, config_source):
         fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
     if args.model_name_or_path and config.vocab_size != len(tokenizer):
         fail(
-            f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} but --tokenizer has "
-            f"{len(tokenizer)} tokens; pass the tokenizer the model was trained with"
+            f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} "
+            f"but --tokenizer has {len(tokenizer)} tokens; pass the tokenizer the model was trained with"
         )
     # The model's vocabulary and special ids come from the tokenizer.
     config.vocab_size = len(tokenizer)
@@ -702,7 +738,8 @@ def load_tokenizer_and_config(args, config_source):
             setattr(config, name, token_id)
     if config.model_type in OFFSET_POSITION_MODELS and tokenizer.pad_token_id != 1:
         fail(
-            f"tokenizer {args.tokenizer!r} has pad id {tokenizer.pad_token_id}, but TF{config.model_type} numbers positions "
+            f"tokenizer {args.tokenizer!r} has pad id {tokenizer.pad_token_id}, "
+            f"but TF{config.model_type} numbers positions "
             "assuming pad id 1 (its padding_idx is fixed), so every token with id 1 would count as padding; "
             "train the tokenizer with tensorflow/train_unigram.py, which puts <pad> at id 1"
         )
@@ -747,7 +784,8 @@ def create_model(args, config, strategy, total_train_steps, warmup_steps):
                 model = TFAutoModelForMaskedLM.from_pretrained(args.model_name_or_path, config=config, from_pt=from_pt)
             except (OSError, ValueError) as e:
                 fail(
-                    f"--model_name_or_path {args.model_name_or_path}: cannot load the weights: {str(e).splitlines()[0]}"
+                    f"--model_name_or_path {args.model_name_or_path}: "
+                    f"cannot load the weights: {str(e).splitlines()[0]}"
                 )
         else:
             model = TFAutoModelForMaskedLM.from_config(config)
@@ -804,7 +842,8 @@ def build_datasets(args, tokenizer, decode_fn, training_records, eval_records, b
         )
         if full_batches and count_samples(eval_records) < batch_size:
             fail(
-                f"--eval_dataset holds {count_samples(eval_records)} samples, fewer than one global batch ({batch_size})"
+                f"--eval_dataset holds {count_samples(eval_records)} samples, "
+                f"fewer than one global batch ({batch_size})"
             )
     return train_dataset, eval_dataset, full_batches
 
@@ -854,7 +893,8 @@ def save_and_check_reload(model, tokenizer, output_dir, training_records, decode
     )
     if reload_diff > 1e-4:
         fail(
-            f"the model saved to {output_dir} does not reproduce the trained model (max logit difference {reload_diff:.3g})"
+            f"the model saved to {output_dir} does not reproduce the trained model "
+            f"(max logit difference {reload_diff:.3g})"
         )
     return reload_diff
 

@@ -108,8 +108,8 @@ def check_text_file(flag, path):
             except UnicodeDecodeError as e:
                 where = line + chunk.count(newline, 0, e.start)
                 fail(
-                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it first, "
-                    "e.g. with iconv -f latin1 -t utf-8"
+                    f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); "
+                    "convert it first, e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(newline)
     if empty:
@@ -144,8 +144,8 @@ def load_texts(args):
 
     if not os.path.exists(args.dataset_name) and not constants.HF_HUB_OFFLINE and not hub_reachable():
         fail(
-            f"--dataset_name {args.dataset_name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); "
-            "pass --train_file with local text (see tokenizers/prepare_corpus.py)"
+            f"--dataset_name {args.dataset_name!r} is not a local path and the Hugging Face Hub is unreachable "
+            "(offline?); pass --train_file with local text (see tokenizers/prepare_corpus.py)"
         )
     import datasets
 

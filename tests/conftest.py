@@ -426,7 +426,8 @@ def scripts_caches(tmp_path_factory):
 
 
 def pytest_sessionstart(session):
-    """The CPU the suite runs on (float results and bf16 speed depend on it), as the first line of every log, -q too."""
+    """The CPU the suite runs on (float results and bf16 speed depend on it), as the first line of every log, -q
+    too."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not hasattr(session.config, "workerinput"):  # not in pytest-xdist's workers
         reporter.write_line(cpu_line())
@@ -440,7 +441,8 @@ def cpu_line():
     bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in info.get("flags", "").split()]
     isa = "AVX-512" if "avx512f" in info.get("flags", "") else "AVX2" if "avx2" in info.get("flags", "") else "no AVX2"
     return (
-        f"CPU: {info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}),"
+        f"CPU: {info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, "
+        f"model {info.get('model', '?')}),"
         f" {isa}, bf16 instructions: {' '.join(bf16) or 'none'}, {os.cpu_count()} cores;"
         f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '') or '(unset)'}"
     )

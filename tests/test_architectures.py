@@ -1,6 +1,7 @@
 """Every architecture that FlaxAutoModelForMaskedLM / FlaxAutoModelForCausalLM map on the pinned transformers trains
 in run_mlm_flax.py and run_clm_flax.py: two steps through the script's own functions, a finite loss and gradient, and
-for causal LM a model that does not see the tokens it predicts. One tiny model per architecture, all in this process."""
+for causal LM a model that does not see the tokens it predicts. One tiny model per architecture, all in this
+process."""
 
 import math
 

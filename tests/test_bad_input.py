@@ -337,7 +337,8 @@ def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
         result = subprocess.run(["bash", "run.sh", "setup"], cwd=disk, capture_output=True, text=True)
         assert result.returncode == 1 and result.stdout == "", result
         assert result.stderr.splitlines() == [
-            "run.sh: installing requirements.txt into .venv needs about 6 GB of free disk; 0 GB left here: free some space"
+            "run.sh: installing requirements.txt into .venv needs about 6 GB of free disk; "
+            "0 GB left here: free some space"
         ]
         assert not (disk / ".venv").exists()
     finally:
@@ -549,7 +550,10 @@ def test_a_second_run_into_the_same_output_dir_is_refused(request, corpus, tmp_p
         lock.close()
     stale = tmp_path / "stale"
     stale.mkdir()
-    killed = "import fcntl, os, signal, sys; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); os.kill(os.getpid(), signal.SIGKILL)"
+    killed = (
+        "import fcntl, os, signal, sys; f = open(sys.argv[1], 'a+'); "
+        "fcntl.flock(f, fcntl.LOCK_EX); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     subprocess.run([sys.executable, "-c", killed, str(stale / ".lock")], cwd=ROOT)
     check_ok(run(flax_args(MLM, request, corpus, stale, "--do_eval", "--report_to", "none")))
 
@@ -646,7 +650,10 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
         ),
         (  # checked before the data is tokenized, not when the weights are loaded
             mlm(request, corpus, tmp_path / "e", "--model_name_or_path", str(tiny_model_dir)),
-            f"--model_name_or_path {tiny_model_dir} holds no flax_model.msgpack or pytorch_model.bin or model.safetensors",
+            (
+                f"--model_name_or_path {tiny_model_dir} holds no flax_model.msgpack or pytorch_model.bin "
+                "or model.safetensors"
+            ),
         ),
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
         (

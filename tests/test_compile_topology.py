@@ -52,7 +52,10 @@ def test_the_steps_compile_for_a_tpu_slice(path, extra, request, corpus, tmp_pat
     assert "Compiling for v5e:2x4: 8 x TPU v5 lite (8 chips, 16.0 GiB of HBM a device)" in log, log[-3000:]
     for step in ("train", "eval"):
         # libtpu's estimate for so small a program can be negative on v5e: the report then says it has none
-        line = rf"{step} step, per device: arguments .* of 16.00 GiB .* GFLOP of matrix products; (XLA's estimate [0-9,.]+ ms|no time)"
+        line = (
+            rf"{step} step, per device: arguments .* of 16.00 GiB .* GFLOP of matrix products; "
+            r"(XLA's estimate [0-9,.]+ ms|no time)"
+        )
         assert re.search(line, log), log[-3000:]
     assert not out.exists()  # nothing trained, nothing written: not libtpu's log files either (named by process)
     assert not list(Path("/tmp/tpu_logs").glob(f"*.{proc.pid}"))
@@ -83,7 +86,10 @@ def test_the_steps_compile_for_gpus_and_one_too_big_for_the_gpu_is_refused(reque
     log = check_ok(run(compiling([*args, "--fsdp", "full_shard"], "h100:2"), env=GPU)).stderr
     assert "Compiling for h100:2: 2 x NVIDIA H100 80GB HBM3 (80.0 GiB of HBM a device)" in log, log[-3000:]
     for step in ("train", "eval"):
-        line = rf"{step} step, per device: arguments .* of 80.00 GiB .* GFLOP of matrix products; no time estimate from XLA"
+        line = (
+            rf"{step} step, per device: arguments .* of 80.00 GiB .* GFLOP of matrix products; "
+            r"no time estimate from XLA"
+        )
         assert re.search(line, log), log[-3000:]
     line = error_line(run(compiling(args, "h100:x"), env=GPU), "train_compile.py")
     assert "name GPUs as h100 or h100:COUNT" in line
@@ -146,7 +152,8 @@ def test_bf16_products_for_tpu_skip_the_cpus_transposes(monkeypatch):
 def test_a_v4_chip_is_one_device_with_the_whole_chips_hbm(request, corpus, tmp_path):
     """A TPU v4 or v5p chip runs as one device (megacore), where libtpu's compile-only topology gives two a chip unless
     asked for megacore: each device of the report is a chip, with the chip's 32 GiB, and --per_device_train_batch_size
-    means rows a chip, as on the real machine. Through a renamed copy of a script: any Flax training script compiles."""
+    means rows a chip, as on the real machine. Through a renamed copy of a script: any Flax training script
+    compiles."""
     copy = renamed_copy(MLM, tmp_path)
     args = flax_args(MLM, request, corpus, tmp_path / "out", "--do_train", "--per_device_train_batch_size", "8")
     log = check_ok(run(compiling([copy, *args[1:]], "v4:2x2x1"), env=TPU)).stderr

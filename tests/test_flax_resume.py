@@ -75,7 +75,8 @@ def uninterrupted(request, corpus, tmp_path_factory):
 def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request, corpus, tmp_path):
     """kill -9 at any point after the first checkpoint, or SIGTERM (which saves the step it stops after), then the
     same command with --resume_from_checkpoint: the final weights are bitwise those of an uninterrupted run, and
-    every logged loss, the train loss and the FLOPs of all_results.json are the same. What a kill cut short (Orbax's temporary folder, the model's) is cleaned up."""
+    every logged loss, the train loss and the FLOPs of all_results.json are the same. What a kill cut short (Orbax's
+    temporary folder, the model's) is cleaned up."""
     full_dir, full_losses = uninterrupted[path]
     out = tmp_path / "run"
     args = flax_args(path, request, corpus, out, *RESUMABLE)

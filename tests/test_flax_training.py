@@ -114,9 +114,9 @@ def test_gradient_accumulation_equals_the_larger_batch(path, no_dropout, request
     one_batch = train(per_device_train_batch_size=16)
     # The first step starts from the same weights: only the order of float32 additions differs, which moves a sum of
     # n terms by at most n x 2**-24 of the sum of their magnitudes (n <= 512 tokens here: 3e-5; the bound leaves room
-    # for cancellation), in practice by about sqrt(n) x 2**-24 (measured 2e-7 to 7e-7 in norm). A dropped micro-batch, a wrong divisor or a mean of
-    # micro-batch means moves the gradient by 30 % and more; Adam's first update ignores its scale, so the losses
-    # alone would miss a wrong divisor.
+    # for cancellation), in practice by about sqrt(n) x 2**-24 (measured 2e-7 to 7e-7 in norm). A dropped micro-batch,
+    # a wrong divisor or a mean of micro-batch means moves the gradient by 30 % and more; Adam's first update ignores
+    # its scale, so the losses alone would miss a wrong divisor.
     loss_error = abs(accumulated[0][0] - one_batch[0][0]) / one_batch[0][0]
     gradient_error = np.linalg.norm(accumulated[1] - one_batch[1]) / np.linalg.norm(one_batch[1])
     assert loss_error < 1e-5 and gradient_error < 1e-3, (loss_error, gradient_error)

@@ -266,7 +266,8 @@ FIRST_ROW = (
     (
         "    return batch\n",
         "    logger.info(f'collate_batch seed {seed}')\n"
-        "    batch['first'] = batch['attention_mask'] * np.isin(np.arange(num_rows), np.flatnonzero(np.asarray(row_ids) == 0))[:, None]\n"
+        "    batch['first'] = batch['attention_mask'] * np.isin(np.arange(num_rows), "
+        "np.flatnonzero(np.asarray(row_ids) == 0))[:, None]\n"
         "    return batch\n",
     ),
     (

@@ -100,6 +100,10 @@ def test_trains_and_loss_falls(trained):
     # approx (1e-6): exp of the same float in the script and here
     assert metrics["eval_loss"] < 6.5 and metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    # No line that reads as an error or points to a hub: not the Trainer's nor the model card's, nor TensorFlow's start
+    log = result.stdout + result.stderr
+    quiet = ("Do not forget to share", "Dropping the following result", "absl::InitializeLog", "oneDNN custom")
+    assert not [line for line in log.splitlines() if any(text in line for text in quiet)]
 
 
 @pytest.mark.parametrize("extra", [[], ["--prediction_loss_only"]])

@@ -41,6 +41,7 @@ def test_reports_throughput(precision, tmp_path):
     assert f"{precision}: median" in result.stdout
     # on a CPU without bf16 instructions, bfloat16 warns once and runs
     assert result.stderr.count("--precision bfloat16: this CPU") == (precision == "bfloat16")
+    assert "deprecated and will be removed in Transformers v5" not in result.stderr + result.stdout
 
 
 def test_bad_input():

@@ -29,7 +29,8 @@ os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_TF", "0")
 if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
     sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: "
+        "bash run.sh setup, then source .venv/bin/activate"
     )
 
 from transformers import CONFIG_MAPPING
@@ -147,7 +148,8 @@ def check_hub_name(flag, name):
         except requests.RequestException:
             fail(
                 f"{flag} {name!r} is not a local path and the Hugging Face Hub is unreachable (offline?); pass a "
-                "tokenizer folder (tokenizers/train_tokenizer.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
+                "tokenizer folder (tokenizers/train_tokenizer.py), "
+                "or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
             )
 
 
@@ -200,7 +202,8 @@ def check_values(config, tokens):
             fail(f"{key}={value}: a dropout probability is at least 0 and below 1")
     if tokens and config.vocab_size < tokens:
         fail(
-            f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokens} tokens: no embedding for the rest"
+            f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
+            "no embedding for the rest"
         )
 
 
@@ -237,8 +240,8 @@ def main(argv=None):
     for heads in ("num_attention_heads", "decoder_attention_heads"):
         if args.model_type != "t5" and hasattr(config, heads) and config.hidden_size % getattr(config, heads):
             fail(
-                f"hidden size {config.hidden_size} is not divisible by {getattr(config, heads)} attention heads ({heads}): "
-                "each head takes an equal slice; change --config_overrides"
+                f"hidden size {config.hidden_size} is not divisible by {getattr(config, heads)} attention heads "
+                f"({heads}): each head takes an equal slice; change --config_overrides"
             )
     os.makedirs(args.output_dir, exist_ok=True)
     config.save_pretrained(args.output_dir)

@@ -35,7 +35,8 @@ os.environ.setdefault("USE_TORCH", "0")
 os.environ.setdefault("USE_TF", "0")
 if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
     sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: bash run.sh setup, then source .venv/bin/activate"
+        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: "
+        "bash run.sh setup, then source .venv/bin/activate"
     )
 
 from tokenizers import ByteLevelBPETokenizer, processors
