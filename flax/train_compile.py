@@ -194,6 +194,7 @@ def compile_report(script, name, step, inputs, hbm):
     """Compile one step and log, per device, its memory, the FLOPs of its matrix products (the script's matmul_flops)
     and XLA's time estimate; returns [] or the line that says by how much it does not fit."""
     started = time.perf_counter()
+    logger.info(f"Compiling the {name} step (minutes at roberta-base's size; nothing prints until it ends) ...")
     try:
         traced = step.trace(*inputs)
         compiled = traced.lower().compile()

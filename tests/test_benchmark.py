@@ -375,6 +375,40 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
     assert rows["tf_all_positions"]["final_loss"] == pytest.approx(rows["flax"]["final_loss"], abs=1e-2)
 
 
+def test_three_repeats_cut_at_any_run_report_through_the_real_summary_goals_and_plot(bench, tmp_path):
+    """--repeats 3 cut after every run of the schedule: each prefix (counts 3/2/2, 1/1/0, ...) is summarized,
+    compared per round and written (markdown, JSON, plot), the finished one with three repeats a mode."""
+    modes_run = ["flax", "torch", "tf_all_positions"]
+    schedule = runner.rounds(modes_run, 3)
+    size = {"batch_size": 16, "seq_len": 32}
+    matmul = {"n": 4, "frameworks": {"jax": {"fp32": 100.0, "fp32_rounds": [99.0, 100.0]}}, "peak": {"fp32": 100.0}}
+    args = bench.build_parser().parse_args(["--output_dir", str(tmp_path), "--repeats", "3", "--steps", "4"])
+    args.gpu = None
+    args.size = "tiny"
+    args.warmup_steps = 1
+    preprocessing = {"lines": 1, "tokens": 1, "tokenize_s": 1.0, "tokenize_tokens_per_s": 1.0, "group": {}}
+    setting = bench.Setting(
+        args=args,
+        command="command",
+        size=size,
+        config={},
+        masked_tokens=10.0,
+        flops=10**9,
+        matmul={**matmul, "published": {}},
+        preprocessing=preprocessing,
+        started=0.0,
+    )
+    results = {name: [] for name in modes_run}
+    for cut, (round_index, name) in enumerate(schedule, 1):
+        times = [1.0, 0.13, 0.13, 0.13] if name == "torch" else [1.0, 0.1 + 0.01 * round_index, 0.1, 0.1]
+        results[name].append({"times": times, "losses": [9.0, 8.5], "peak_rss_mb": 10.0, "num_params": 5})
+        run_report = bench.build_report(setting, modes_run, results, {}, {})
+        report.write_outputs(tmp_path, run_report, stem=f"cut{cut}")
+        assert [r["repeats"] for r in run_report["modes"]] == [len(results[m]) for m in modes_run if results[m]]
+    assert all(r["repeats"] == 3 for r in run_report["modes"]) and (tmp_path / "cut9.png").is_file()
+    assert any("per round" in goal for goal in run_report["goals"])
+
+
 def test_a_range_of_zero_plots(tmp_path):
     """One repeat (or equal medians): the range's lower error, a few ulps below zero in floats, plots as zero."""
     worker = {"losses": [9.0, 8.0], "peak_rss_mb": 100.0, "times": [1.0, 0.13]}
