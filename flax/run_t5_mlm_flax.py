@@ -1499,11 +1499,18 @@ def create_learning_rate_fn(num_train_steps, num_warmup_steps, learning_rate):
     return optax.join_schedules(schedules=[warmup_fn, decay_fn], boundaries=[num_warmup_steps])
 
 
+# A norm's module: its own name has "layernorm", "layer_norm" or "ln" as a whole word (LayerNorm, ln_f,
+# final_layer_norm, layernorm_embedding). Whole words of the parameter's own module, so that a name merely holding
+# "ln" (kiln), or a module below one named ln_head, keeps its weight decay (upstream's substring test of the whole
+# path did not).
+NORM_MODULE = re.compile(r"(.+_)?(layer_?norm|ln)(_.+)?")
+
+
 def decay_mask_fn(params):
-    """True for the weights AdamW decays: every parameter but biases and LayerNorm scales."""
+    """True for the weights AdamW decays: every parameter but biases and the scales of norms (NORM_MODULE)."""
     flat = traverse_util.flatten_dict(params)
-    norms = {p[-2:] for p in flat if any(name in "".join(p).lower() for name in ("layernorm", "layer_norm", "ln"))}
-    return traverse_util.unflatten_dict({p: p[-1] != "bias" and p[-2:] not in norms for p in flat})
+    norm = {p: len(p) > 1 and NORM_MODULE.fullmatch(str(p[-2]).lower()) is not None for p in flat}
+    return traverse_util.unflatten_dict({p: p[-1] != "bias" and not norm[p] for p in flat})
 
 
 def objective_means(sums):

@@ -133,6 +133,23 @@ def test_weight_decay_mask_skips_biases_and_layer_norms():
     assert mask["embeddings"]["word_embeddings"]["embedding"] is True
 
 
+def test_weight_decay_mask_matches_whole_module_names():
+    """A norm is known by its own module's whole name: a Dense under a module named ln_head, and a module whose name
+    merely holds "ln", keep their decay, and neither takes it from an unrelated (dense, kernel) elsewhere."""
+    params = {
+        "heads": {"ln_head": {"dense": {"kernel": 1}, "LayerNorm": {"scale": 2}}},
+        "encoder": {"dense": {"kernel": 3}, "final_layer_norm": {"weight": 4}},
+        "kiln": {"kernel": 5},
+        "ln_f": {"scale": 6},
+        "layernorm_embedding": {"scale": 7},
+    }
+    mask = mlm.decay_mask_fn(params)
+    assert mask["heads"]["ln_head"] == {"dense": {"kernel": True}, "LayerNorm": {"scale": False}}
+    assert mask["encoder"] == {"dense": {"kernel": True}, "final_layer_norm": {"weight": False}}
+    assert mask["kiln"]["kernel"] is True and mask["ln_f"]["scale"] is False
+    assert mask["layernorm_embedding"]["scale"] is False
+
+
 def test_learning_rate_warms_up_then_decays_to_zero():
     schedule = mlm.create_learning_rate_fn(num_train_steps=100, num_warmup_steps=10, learning_rate=1.0)
     assert float(schedule(0)) == 0.0
