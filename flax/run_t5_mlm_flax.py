@@ -1514,9 +1514,14 @@ def decay_mask_fn(params):
 
 
 def objective_means(sums):
-    """Each (sum, count) pair's mean (over at least 1), and `loss`: the LOSS_TERMS-weighted sum of those means."""
+    """Each (sum, count) pair's mean (over at least 1). `loss`, what eval_loss and perplexity report, is the
+    objective's first term: its pair named "loss", else LOSS_TERMS' first; where training minimises more than that
+    term alone, `trained_loss` is the LOSS_TERMS-weighted sum of the means."""
     means = {name: total / (count + (count == 0)) for name, (total, count) in sums.items()}
-    return {**means, "loss": sum(weight * means[name] for name, weight in LOSS_TERMS.items())}
+    means.setdefault("loss", means[next(iter(LOSS_TERMS))])
+    if LOSS_TERMS != {"loss": 1.0}:
+        means["trained_loss"] = sum(weight * means[name] for name, weight in LOSS_TERMS.items())
+    return means
 
 
 def token_sums(logits, labels, mask):
@@ -1830,7 +1835,7 @@ def fetch_metrics(loop, progress):
         step_metrics = jax.tree.map(float, step_metrics)
         sums = {name: list(pair) for name, pair in step_metrics.pop("sums").items()}
         metrics = {**objective_means(sums), **step_metrics}
-        loss, norm = metrics["loss"], metrics["grad_norm"]
+        loss, norm = metrics.get("trained_loss", metrics["loss"]), metrics["grad_norm"]
         if not (math.isfinite(loss) and math.isfinite(norm)):
             stop_diverged(step, f"the training loss is {loss} (gradient norm {norm})", progress)
         progress.log_window.append(sums)

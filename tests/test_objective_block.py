@@ -3,6 +3,7 @@ own denominators, sampling in evaluation) pasted in place of run_mlm_flax.py's b
 
 import difflib
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -233,7 +234,12 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
     results = json.loads((full / "all_results.json").read_text())
     names = ("generator_loss", "generator_accuracy", "discriminator_loss", "discriminator_accuracy")
     assert all(0 <= results[f"eval_{name}"] for name in names) and results["eval_discriminator_accuracy"] > 0.5
-    assert results["eval_loss"] == results["eval_generator_loss"] + 50 * results["eval_discriminator_loss"]
+    # eval_loss and perplexity are the first term's (the generator's masked-LM loss); the weighted sum trained on is
+    # trained_loss, in evaluation and in training's log
+    assert results["eval_loss"] == results["eval_generator_loss"]
+    assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_generator_loss"]))
+    assert results["eval_trained_loss"] == results["eval_generator_loss"] + 50 * results["eval_discriminator_loss"]
+    assert "| trained_loss " in log
     assert "| discriminator_accuracy " in log and "discriminator_accuracy=" in log
     # Each pair's count under its name in SCORED_TOKENS: the generator scores the masked tokens, the discriminator
     # every real token.
