@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu.sh rehearse OUT  here: the same command on this CPU with a tiny model, in a Python 3.12 venv of
 #                                        the GPU machine's versions (VENV312, default /tmp/venv312; built on first use)
 #   bash benchmarks/gpu.sh run OUT       on the GPU machine, .whl/ beside the repository: install the wheels into
-#                                        /tmp/site, then the benchmark (about 7 minutes on an H200, by the six modes' 6)
+#                                        /tmp/site, then the benchmark (not yet run on a GPU; estimated at 7 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 datasets==5.0.1 dill==0.4.1

@@ -416,8 +416,7 @@ def check_data_file(flag, path):
                 where = line + chunk.count(newline, 0, e.start)
                 fail(
                     f"{flag} {path} is not UTF-8 text (byte 0x{chunk[e.start]:02x} on line {where}); convert it "
-                    "first, "
-                    "e.g. with iconv -f latin1 -t utf-8"
+                    "first, e.g. with iconv -f latin1 -t utf-8"
                 )
             line += chunk.count(newline)
     if empty:
@@ -486,8 +485,7 @@ def check_checkpoint_config(checkpoint, config):
     if differing:
         fail(
             f"{checkpoint} holds a model of another config ({'; '.join(differing)}); resume with the config that "
-            "wrote it, "
-            "or start afresh with --overwrite_output_dir"
+            "wrote it, or start afresh with --overwrite_output_dir"
         )
 
 
@@ -742,8 +740,7 @@ def load_raw_datasets(model_args, data_args):
             if round(len(raw["train"]) * split_pct / 100) == 0:
                 fail(
                     f"{source} is too short to split {split_pct} % off for validation (it has {len(raw['train'])} "
-                    "examples); "
-                    "give --validation_file, or more text"
+                    "examples); give --validation_file, or more text"
                 )
             raw["validation"] = load(split=f"train[:{split_pct}%]")
             raw["train"] = load(split=f"train[{split_pct}%:]")
@@ -819,8 +816,7 @@ def load_config_and_tokenizer(model_args):
     if config.hidden_size % config.num_attention_heads:
         fail(
             f"the config's hidden size {config.hidden_size} is not divisible by its {config.num_attention_heads} "
-            "attention heads; "
-            "fix the config (tokenizers/create_config.py --config_overrides)"
+            "attention heads; fix the config (tokenizers/create_config.py --config_overrides)"
         )
     return config, tokenizer
 
@@ -956,8 +952,7 @@ def prepare_training_args(training_args):
     training_args.remove_unused_columns = False
     logger.warning(
         f"Process rank: {training_args.local_rank}, device: {training_args.device}, world size: "
-        f"{training_args.world_size}, "
-        f"distributed training: {training_args.parallel_mode.value == 'distributed'}, "
+        f"{training_args.world_size}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
         f"16-bits training: {training_args.fp16 or training_args.bf16}"
     )
     logger.info(f"Training/evaluation parameters {training_args}")
@@ -1088,8 +1083,7 @@ def run_training(trainer, train_dataset, last_checkpoint, data_args, training_ar
         if done >= total:
             fail(
                 f"{last_checkpoint} is at step {done} and this run ends at step {total}: nothing left to train, "
-                "every file "
-                "left as it was; raise --max_steps or --num_train_epochs to train on"
+                "every file left as it was; raise --max_steps or --num_train_epochs to train on"
             )
     # transformers 4.57 reads a multi-process CPU run's optimizer state onto the device "cpu:RANK", a location
     # torch.load does not know: such storages stay where they were read, on the CPU.

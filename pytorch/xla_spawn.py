@@ -75,8 +75,7 @@ def check_num_cores(num_cores):
         if num_cores != available:
             fail(
                 f"--num_cores {num_cores}: torch_xla spawns one process per TPU device, and this host has "
-                f"{available}; "
-                f"use --num_cores 1 or --num_cores {available}"
+                f"{available}; use --num_cores 1 or --num_cores {available}"
             )
     if kind in ("CUDA", "GPU"):
         os.environ.setdefault("GPU_NUM_DEVICES", str(num_cores))
