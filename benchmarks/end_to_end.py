@@ -243,6 +243,7 @@ def end_to_end_table(report):
     """results.md's lines: the original README's table shape (a row per task, a column per mode), then a row a mode."""
     e2e, w, machine = report["end_to_end"], report["workload"], report["machine"]
     rows = e2e["modes"]
+    warmup = warmup_steps_for(w["steps"])
     cell = {
         r["mode"]: minutes(r["wall_s"]) if "wall_s" in r else "skipped" if "skipped" in r else "failed" for r in rows
     }
@@ -251,7 +252,7 @@ def end_to_end_table(report):
         "",
         f"{machine['cpu']} (bf16: {machine['bf16']}), {machine['cores']} cores; {report['date']}. "
         f"Command: `{report['command']}`. {w['steps']} steps of {w['batch_size']} x {w['seq_len']} tokens, learning "
-        f"rate {w['learning_rate']} after {warmup_steps_for(w['steps'])} warm-up steps with linear decay, no gradient "
+        f"rate {w['learning_rate']} after {warmup} warm-up step{'s' * (warmup != 1)} with linear decay, no gradient "
         "clipping, the same initial weights, tokenizer, text and held-out blocks; evaluation every "
         f"{w['eval_steps']} steps. Wall time of each whole command:",
         "",

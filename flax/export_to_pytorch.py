@@ -17,6 +17,7 @@ import argparse
 import os
 import shutil
 import sys
+import warnings
 
 # This script never uses TensorFlow; keep transformers from importing it.
 os.environ.setdefault("USE_TF", "0")
@@ -110,7 +111,11 @@ def main(argv=None):
     # initialized": they are tied to the loaded embeddings. The output check below is the real test.
     transformers.logging.set_verbosity_error()
     try:
-        pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
+        with warnings.catch_warnings():
+            # The converter hands torch.from_numpy read-only views of the loaded weights, then copies them into the
+            # model's own parameters: nothing ever writes to the views that torch warns of.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            pt_model = load_flax_checkpoint_in_pytorch_model(pt_cls(config), weights)
         # _do_init=False: the saved weights only, without a random set made first and thrown away
         flax_model, params = flax_cls.from_pretrained(args.model_dir, _do_init=False)
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt weights file becomes one line

@@ -195,6 +195,7 @@ OBJECTIVE = "causal-LM"  # in messages
 LENGTH_FLAG = "block_size"  # the argument that sets the sequence length
 SCORED_TOKENS = {"loss": "predicted_tokens"}  # loss_sums' counts in the results, by pair: eval_predicted_tokens
 LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
+MIN_LENGTH = 2  # tokens a block needs: one to read, the next to predict
 
 
 @dataclass
@@ -220,8 +221,8 @@ def fit_objective(config, tokenizer, source):
 def resolve_max_seq_length(data_args, config, tokenizer):
     """The block size: the tokenizer's limit and the model's positions both bound it (bound_length)."""
     block_size = bound_length(data_args.block_size, config, tokenizer)
-    if block_size <= 1:
-        fail(f"--block_size must be at least 2, got {block_size}")
+    if block_size < MIN_LENGTH:
+        fail(f"--block_size must be at least {MIN_LENGTH}, got {block_size}")
     return block_size
 
 
@@ -279,26 +280,47 @@ def build_model(model_args, training_args, config, abstract):
     return init_model(MODEL_CLASS, config, model_args.model_name_or_path, model_args, training_args, abstract)
 
 
+def init_objective_params(config, rng):
+    """Parameters of the objective's own beside the model's (none here): what this returns is params["objective"],
+    trained, sharded, checkpointed and restored with params["model"]; save_model never sees it."""
+    return {}
+
+
 def save_model(model, params, output_dir):
+    """The model in from_pretrained form; `params` is params["model"]."""
     model.save_pretrained(output_dir, params=params)
 
 
 def loss_sums(model, params, batch, rng, train, bf16):
-    """Named (sum, count) pairs of next-token cross-entropy and correct predictions: position t predicts token
-    t + 1 wherever both are real (not padding). Logits of more than 16 * HEAD_CHUNK numbers a device (4 GiB in f32;
-    GPT-2's at 64 x 512 tokens are 6.6 GB) are never whole: the head and the loss go a chunk at a time."""
+    """Named (sum, count) pairs of next-token cross-entropy and correct predictions (shifted_token_sums, shift 1)."""
     head = {}
-    logits = model_logits(model, params, batch, bf16, [capture_head(head)], dropout_rng=rng, train=train)
-    mask = batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]
-    devices = max(jax.typeof(logits).sharding.mesh.size, 1)  # the batch's rows are split over all the devices
-    if head.get("logits") is logits and logits.size > 16 * HEAD_CHUNK * devices:  # the head's output, returned as is
-        loss, correct, count = head_token_sums(head, batch["input_ids"][:, 1:], mask, bf16, devices)
-    else:
-        loss, correct, count = token_sums(logits[:, :-1], batch["input_ids"][:, 1:], mask)
+    logits = model_logits(model, params["model"], batch, bf16, [capture_head(head)], dropout_rng=rng, train=train)
+    head = head if head.get("logits") is logits else {"logits": logits}  # a model whose head is not its last Dense
+    loss, correct, count = shifted_token_sums(head, batch, bf16, shift=1)
     return {"loss": (loss, count), "accuracy": (correct, count)}
 
 
 HEAD_CHUNK = 2**26  # logits a device computed at once by head_token_sums: 256 MiB in f32
+
+
+def shifted_token_sums(head, batch, bf16, shift):
+    """token_sums of position t predicting token t + shift wherever both are real (not padding), from the logits of
+    `head` (capture_head's record, or a copy with other inputs and their logits, apply_head's). Logits of more than
+    16 * HEAD_CHUNK numbers a device (4 GiB in f32; GPT-2's at 64 x 512 tokens are 6.6 GB) are never whole: where
+    the head's input is recorded, the head and the loss go a chunk at a time (head_token_sums)."""
+    labels, real, logits = batch["input_ids"][:, shift:], batch["attention_mask"], head["logits"]
+    mask = real[:, shift:] * real[:, :-shift]
+    devices = max(jax.typeof(logits).sharding.mesh.size, 1)  # the batch's rows are split over all the devices
+    if "inputs" in head and logits.size > 16 * HEAD_CHUNK * devices:
+        return head_token_sums(head, labels, mask, bf16, devices, shift)
+    return token_sums(logits[:, :-shift], labels, mask)
+
+
+def apply_head(head, x, bf16):
+    """The logits of the head's dense layer (capture_head's record) for other inputs x, as the model computes them."""
+    kernel = head["kernel"]
+    logits = (bf16_matmul(x.astype(kernel.dtype), kernel) if bf16 else x @ kernel) + head["bias"]
+    return logits if head["dtype"] is None else logits.astype(head["dtype"])
 
 
 def capture_head(head):
@@ -316,12 +338,12 @@ def capture_head(head):
     return interceptor
 
 
-def head_token_sums(head, labels, mask, bf16, devices):
-    """token_sums of the logits capture_head saw, computed again from the head's input a chunk of positions at a time
-    (HEAD_CHUNK logits a device), with the head as the model computes it (bf16_dense with --dtype bfloat16). A chunk's
+def head_token_sums(head, labels, mask, bf16, devices, shift):
+    """token_sums of the head's logits for its inputs but the last `shift` positions, computed again a chunk of
+    positions at a time (HEAD_CHUNK logits a device), with the head as the model computes it (apply_head). A chunk's
     gradients are computed with its logits, in the same pass (head_sums' VJP): no chunk is computed twice, and none
     is kept. Those the model computed go unused: XLA drops them."""
-    x, (rows, length), vocab = head["inputs"][:, :-1], labels.shape, head["kernel"].shape[1]
+    x, (rows, length), vocab = head["inputs"][:, :-shift], labels.shape, head["kernel"].shape[1]
     size = min(length, max(1, HEAD_CHUNK * devices // (rows * vocab)))  # positions a chunk, in every row
     chunks = -(-length // size)
 
@@ -344,8 +366,7 @@ def head_sums_fwd(x, kernel, bias, labels, mask, bf16, dtype, grads=True):
 
     def chunk(totals, xs):
         x, labels, mask = xs
-        logits = (bf16_matmul(x.astype(kernel.dtype), kernel) if bf16 else x @ kernel) + bias
-        logits = logits if dtype is None else logits.astype(dtype)
+        logits = apply_head(dict(kernel=kernel, bias=bias, dtype=dtype), x, bf16)
         sums = token_sums(logits, labels, mask)
         if not grads:
             return jax.tree.map(jnp.add, totals, sums), None
@@ -433,8 +454,10 @@ def main(argv=None):
 
 def build_train_state(model_args, args, config, plan, abstract=False):
     """The model (build_model), its train state placed on plan.mesh as state_shardings says, and the learning-rate
-    schedule; abstract=True gives only the state's shapes and shardings, a target to restore a checkpoint into."""
-    model, params = build_model(model_args, args, config, abstract)
+    schedule; abstract=True gives only the state's shapes and shardings, a target to restore a checkpoint into. The
+    parameters are {"model": the model's (build_model), "objective": the block's own (init_objective_params)}."""
+    model, model_params = build_model(model_args, args, config, abstract)
+    params = {"model": model_params, "objective": objective_params(config, args.seed, abstract)}
     schedule = create_learning_rate_fn(max(plan.total_steps, 1), args.warmup_steps, args.learning_rate)
     if args.adafactor:  # upstream's choice: the same schedule, no decay mask
         optimizer = optax.adafactor(learning_rate=schedule)
@@ -539,8 +562,10 @@ def log_model(config, state, plan, max_seq_length):
     leaves = jax.tree_util.tree_leaves(state)
     total = sum(x.size * x.dtype.itemsize for x in leaves) / 2**20
     per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves) / 2**20
+    sizes = {part: sum(x.size for x in jax.tree_util.tree_leaves(tree)) for part, tree in state.params.items()}
+    own = f" (and {sizes['objective']:,} of the objective's own)" if sizes["objective"] else ""
     logger.info(
-        f"Model: {config.model_type}, {sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,} parameters, "
+        f"Model: {config.model_type}, {sizes['model']:,} parameters{own}, "
         f"{plan.num_devices} devices ({plan.local_devices} local), train state {per_device:.1f} MB per device "
         f"({total:.1f} MB in all), --{LENGTH_FLAG} {max_seq_length}"
     )
@@ -1266,8 +1291,7 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     T5's draws for minutes; abstract: shapes only); --dtype bfloat16: an f32 model computing in bf16 (bf16_dense)."""
     dtype = jnp.float32 if model_args.dtype == "bfloat16" else getattr(jnp, model_args.dtype)
     kwargs = dict(seed=training_args.seed, dtype=dtype, _do_init=False, trust_remote_code=model_args.trust_remote_code)
-    host = jax.local_devices(backend="cpu")[0] if "cpu" in (jax.config.jax_platforms or "cpu") else None
-    with jax.default_device(host):
+    with jax.default_device(host_device()):
         if path and not abstract:
             model, params = load_pretrained(model_class, config, path, model_args, training_args, kwargs)
         else:
@@ -1277,6 +1301,18 @@ def init_model(model_class, config, path, model_args, training_args, abstract):
     if training_args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     return model, params
+
+
+def host_device():
+    """Where parameters are drawn and loaded: the host's CPU (None, the default, where jax_platforms leaves it out)."""
+    return jax.local_devices(backend="cpu")[0] if "cpu" in (jax.config.jax_platforms or "cpu") else None
+
+
+def objective_params(config, seed, abstract):
+    """The block's own parameters (init_objective_params), drawn on the host from (--seed, 1); abstract: shapes."""
+    init = functools.partial(init_objective_params, config, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+    with jax.default_device(host_device()):
+        return jax.eval_shape(init) if abstract else jax.tree.map(np.asarray, jax.jit(init)())
 
 
 def load_pretrained(model_class, config, path, model_args, training_args, kwargs):
@@ -1408,9 +1444,12 @@ NORM_MODULE = re.compile(r"(.+_)?(layer_?norm|ln)(_.+)?")
 
 def decay_mask_fn(params):
     """True for the weights AdamW decays: every parameter but biases and the scales of norms (NORM_MODULE)."""
-    flat = traverse_util.flatten_dict(params)
-    norm = {p: len(p) > 1 and NORM_MODULE.fullmatch(str(p[-2]).lower()) is not None for p in flat}
-    return traverse_util.unflatten_dict({p: p[-1] != "bias" and not norm[p] for p in flat})
+
+    def decays(path, _):
+        names = [str(key.key) for key in path]
+        return names[-1] != "bias" and not (len(names) > 1 and NORM_MODULE.fullmatch(names[-2].lower()))
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def objective_means(sums):
@@ -1467,8 +1506,14 @@ def bound_length(requested, config, tokenizer):
 
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
-    """The model's logits under `interceptors` (and bf16_dense with --dtype bfloat16), from the batch's keys its
-    __call__ names, dropout as it takes it (`train` or `deterministic`), BigBird's random blocks from dropout_rng."""
+    """The model's logits (model_outputs')."""
+    return model_outputs(model, params, batch, bf16, interceptors, dropout_rng, train)[0]
+
+
+def model_outputs(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
+    """The model's logits and final hidden state (its last layer's output, the decoder's in an encoder-decoder)
+    under `interceptors` (and bf16_dense with --dtype bfloat16), from the batch's keys its __call__ names, dropout as
+    it takes it (`train` or `deterministic`), BigBird's random blocks from dropout_rng."""
     takes = inspect.signature(model.__call__).parameters
     inputs = {name: value for name, value in batch.items() if name in takes}
     mode = {"train": train} if "train" in takes else {"deterministic": not train}
@@ -1477,7 +1522,16 @@ def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, 
     with contextlib.ExitStack() as stack:
         for interceptor in [*interceptors, *([bf16_dense] if bf16 else [])]:
             stack.enter_context(nn.intercept_methods(interceptor))
-        return model(**inputs, params=params, dropout_rng=dropout_rng, **mode)[0]
+        outputs = model(**inputs, params=params, dropout_rng=dropout_rng, output_hidden_states=True, **mode)
+    hidden = outputs.get("decoder_hidden_states") or outputs["hidden_states"]
+    return outputs["logits"], hidden[-1]
+
+
+def objective_apply(module, params, *args, bf16=False):
+    """A block's own flax module on its parameters (a part of params["objective"]), its dense layers computed as the
+    model's are (bf16_dense with --dtype bfloat16)."""
+    with nn.intercept_methods(bf16_dense) if bf16 else contextlib.nullcontext():
+        return module.apply({"params": params}, *args)
 
 
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
@@ -1894,48 +1948,69 @@ def open_checkpoints(training_args, fresh_start):
 def save_checkpoint(state, progress, run):
     """checkpoint-{step} (train state, data position; the oldest beyond --save_total_limit dropped), then the model
     in from_pretrained form in output_dir and the hub repository updated; returns its path."""
-    output_dir, step = run.args.output_dir, progress.global_step
-    if step in run.checkpoints.all_steps():  # a damaged one, skipped on resume
-        run.checkpoints.delete(step)
-    arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state.params)):
-        stop_diverged(step, "the parameters are no longer finite", progress)
-    path = os.path.join(output_dir, f"checkpoint-{step}")
-    last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
-    last = last or "no checkpoint is complete"
-    # The checkpoint and the model's weights, checked first: Orbax's writer threads do not stop on a full disk.
-    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((arrays, state.params)))
-    if (free := shutil.disk_usage(output_dir).free) < 1.1 * needed + (1 << 20):
-        fail(
-            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
-            f"free; {last}. Free some space (or use --save_total_limit), then resume with --resume_from_checkpoint"
-        )
-    trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
-    trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
-    trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
+    path = os.path.join(run.args.output_dir, f"checkpoint-{progress.global_step}")
+    check_savable(state, progress, run, path)
     try:
-        save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
-        run.checkpoints.save(step, args=save, force=True)
-        params = multihost_utils.process_allgather(state.params, tiled=True)  # every process takes part
-        if jax.process_index() == 0:  # moved in from a folder of this run's own: a crash mid-save leaves the last
-            tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
-            save_model(run.model, params, tmp_dir)
-            run.tokenizer.save_pretrained(tmp_dir)
-            for name in os.listdir(tmp_dir):
-                if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
-                    shutil.rmtree(os.path.join(output_dir, name))
-                os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
-            os.rmdir(tmp_dir)
+        write_checkpoint(state, progress, run)
+        export_model(state.params["model"], run)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
         if runtime_failed(e):
             raise
         advice = "Free some space, then resume" if "space" in str(e).lower() else "Fix that, then resume"
-        fail(f"cannot write {path}: {first_line(e)}; {last}. {advice} with --resume_from_checkpoint")
+        fail(f"cannot write {path}: {first_line(e)}; {last_intact(progress)}. {advice} with --resume_from_checkpoint")
     if jax.process_index() == 0 and run.hub is not None:
         api, repo_id, token = run.hub
-        message = f"Saving weights and logs of step {step}"
-        api.upload_folder(repo_id=repo_id, folder_path=output_dir, commit_message=message, token=token)
+        message = f"Saving weights and logs of step {progress.global_step}"
+        api.upload_folder(repo_id=repo_id, folder_path=run.args.output_dir, commit_message=message, token=token)
     return path
+
+
+def last_intact(progress):
+    last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
+    return last or "no checkpoint is complete"
+
+
+def check_savable(state, progress, run, path):
+    """Stops before writing a non-finite state or onto a disk without room for the checkpoint and the model's weights
+    (Orbax's writer threads do not stop on a full disk); drops a damaged checkpoint of this step, skipped on resume."""
+    if progress.global_step in run.checkpoints.all_steps():
+        run.checkpoints.delete(progress.global_step)
+    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state.params)):
+        stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state, state.params["model"])))
+    if (free := shutil.disk_usage(run.args.output_dir).free) < 1.1 * needed + (1 << 20):
+        fail(
+            f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
+            f"free; {last_intact(progress)}. Free some space (or use --save_total_limit), then resume with "
+            "--resume_from_checkpoint"
+        )
+
+
+def write_checkpoint(state, progress, run):
+    """Orbax's checkpoint-{step}: the train state, and as JSON the progress and what a resume checks against."""
+    trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
+    trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
+    trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
+    arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
+    run.checkpoints.save(progress.global_step, args=save, force=True)
+
+
+def export_model(params, run):
+    """The model (save_model) and tokenizer in from_pretrained form in output_dir, moved in from a folder of this
+    run's own, so that a crash mid-save leaves the last export whole; every process takes part in the gather."""
+    params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    output_dir = run.args.output_dir
+    tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
+    save_model(run.model, params, tmp_dir)
+    run.tokenizer.save_pretrained(tmp_dir)
+    for name in os.listdir(tmp_dir):
+        if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
+            shutil.rmtree(os.path.join(output_dir, name))
+        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
+    os.rmdir(tmp_dir)
 
 
 def gather_json(value):

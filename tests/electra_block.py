@@ -9,6 +9,7 @@ OBJECTIVE = "replaced-token detection"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
 SCORED_TOKENS = {"generator_loss": "masked_tokens", "discriminator_loss": "real_tokens"}  # counts, in the results
 LOSS_TERMS = {"generator_loss": 1.0, "discriminator_loss": 50.0}  # the paper's weights
+MIN_LENGTH = 1  # tokens a row needs: one to mask
 GENERATOR_SIZE = 0.25  # the generator's hidden and intermediate sizes, as a fraction of the discriminator's
 
 
@@ -30,8 +31,8 @@ def fit_objective(config, tokenizer, source):
 
 def resolve_max_seq_length(data_args, config, tokenizer):
     length = min(data_args.max_seq_length or tokenizer.model_max_length, tokenizer.model_max_length)
-    if not 0 < length <= config.max_position_embeddings:
-        fail(f"--max_seq_length must be in [1, {config.max_position_embeddings}], got {length}")
+    if not MIN_LENGTH <= length <= config.max_position_embeddings:
+        fail(f"--max_seq_length must be in [{MIN_LENGTH}, {config.max_position_embeddings}], got {length}")
     return length
 
 
@@ -93,6 +94,10 @@ def build_model(model_args, training_args, config, abstract):
     return (generator, discriminator), {"generator": generator_params, "discriminator": discriminator_params}
 
 
+def init_objective_params(config, rng):
+    return {}
+
+
 def save_model(model, params, output_dir):
     """The discriminator in output_dir (what one fine-tunes), the generator in output_dir/generator."""
     generator, discriminator = model
@@ -104,7 +109,7 @@ def loss_sums(model, params, batch, rng, train, bf16):
     """The generator's cross-entropy and accuracy at the masked positions; its samples (not differentiated) fill
     them in, and the discriminator's binary cross-entropy and accuracy over every real token: replaced or not."""
     generator, discriminator = model
-    batch = dict(batch)
+    params, batch = params["model"], dict(batch)
     labels = batch.pop("labels")
     masked, real = labels != -100, batch["attention_mask"]
     generator_rng, sample_rng, discriminator_rng = jax.random.split(rng, 3)

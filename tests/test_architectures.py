@@ -162,10 +162,11 @@ def train_two_steps(script, model_args, data_args, training_args, rows):
     unreached = [
         key
         for key in unmoved
-        if key != "['final_logits_bias']" and not (script.OBJECTIVE == "causal-LM" and "['encoder_attn" in key)
+        if key != "['model']['final_logits_bias']"
+        and not (script.OBJECTIVE == "causal-LM" and "['encoder_attn" in key)
     ]
     assert not unreached, f"{config.model_type}: two steps left {unreached} as they were"
-    return model, state.params, batch, metrics
+    return model, state.params["model"], batch, metrics
 
 
 def assert_causal(script, model, params, batch, model_type):

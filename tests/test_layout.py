@@ -66,6 +66,7 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
             "LENGTH_FLAG",
             "SCORED_TOKENS",
             "LOSS_TERMS",
+            "MIN_LENGTH",
             "class DataTrainingArguments",
             "def validate_objective",
             "def fit_objective",
@@ -75,6 +76,7 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
             "def resume_checks",
             "def collate_batch",
             "def build_model",
+            "def init_objective_params",
             "def save_model",
             "def loss_sums",
         ):

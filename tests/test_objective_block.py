@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import (
     ROOT,
@@ -38,6 +39,37 @@ def electra_script(tmp_path):
     script = tmp_path / "run_electra_flax.py"
     script.write_text(copy)
     return script
+
+
+def patched_block_script(script, patch, directory):
+    """A copy of a Flax training script whose objective block takes each top-level definition of `patch` (a file in
+    tests/) in place of its own of the same name, the new ones first and the patch's header comment for the block's;
+    checks that only the block differs."""
+    import ast
+
+    source = (Path(ROOT) / script).read_text()
+    start, end = source.index(START), source.index(END)
+    block, patch = source[start:end].splitlines(), (Path(ROOT) / "tests" / patch).read_text().splitlines()
+
+    def definitions(lines):  # {name: (first line, end)} of each top-level statement, decorators included
+        spans = {}
+        for index, node in enumerate(ast.parse("\n".join(lines)).body):
+            name = getattr(node, "name", None) or getattr(node, "targets", [ast.Name(index)])[0].id
+            spans[name] = (
+                min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1,
+                node.end_lineno,
+            )
+        return spans
+
+    ours, theirs = definitions(block), definitions(patch)
+    for name, (first, last) in sorted(((n, ours[n]) for n in theirs if n in ours), key=lambda item: -item[1][0]):
+        block[first:last] = patch[theirs[name][0] : theirs[name][1]]
+    header = lambda lines: next(i for i, line in enumerate(lines) if not line.startswith("#"))  # noqa: E731
+    new = [line for name, (first, last) in theirs.items() if name not in ours for line in [*patch[first:last], "", ""]]
+    block = patch[: header(patch)] + ["", *new] + block[header(block) :]
+    copy = Path(directory) / Path(script).name.replace("run_", "my_")
+    copy.write_text(source[:start] + "\n".join(block) + "\n" + source[end:])
+    return copy
 
 
 def block_copy(script, directory, *replacements):
@@ -84,6 +116,7 @@ FREQUENT_TOKENS = (
     ),
     (
         '    return {"loss": (loss, count), "accuracy": (correct, count)}',
+        "    mask = batch['attention_mask'][:, 1:] * batch['attention_mask'][:, :-1]\n"
         "    frequent = batch['frequent'][:, 1:] * mask\n"
         "    frequent_sum, _, frequent_count = token_sums(logits[:, :-1], batch['input_ids'][:, 1:], frequent)\n"
         '    return {"loss": (loss, count), "accuracy": (correct, count), "frequent": (frequent_sum, frequent_count)}',
@@ -262,6 +295,72 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
     assert "run_mlm_flax" not in log + killed_log + resumed_log + written
 
 
+def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_plain_model(gpt2_dir, corpus, tmp_path):
+    """tests/mtp_block.py in a copy of run_clm_flax.py: two extra heads of the block's own (params["objective"]), on
+    two devices with accumulation, are trained and evaluated, each head's loss reported; eval_loss is the next-token
+    loss; the heads are in every checkpoint and resume bit for bit, and the saved model is a plain GPT-2 that
+    from_pretrained loads, without them."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax.traverse_util import flatten_dict
+    from transformers import FlaxGPT2LMHeadModel
+
+    script = patched_block_script("flax/run_clm_flax.py", "mtp_block.py", tmp_path)
+
+    def checkpointed_heads(checkpoint):  # params["objective"] of a checkpoint, read on the host
+        state, checkpointer = checkpoint / "state", ocp.PyTreeCheckpointer()
+        as_numpy = jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), checkpointer.metadata(state).item_metadata.tree
+        )
+        return flatten_dict(checkpointer.restore(state, restore_args=as_numpy)["params"]["objective"])
+
+    def command(output_dir):
+        args = script_args(str(script), "gpt2", gpt2_dir, corpus, output_dir, "--block_size", "32")
+        args += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "8"]
+        return [
+            *args,
+            "--save_steps",
+            "4",
+            "--logging_steps",
+            "2",
+            "--learning_rate",
+            "2e-3",
+            "--do_train",
+            "--do_eval",
+        ]
+
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    result = check_ok(run(command(full), env=TWO_DEVICES))
+    log = result.stdout + result.stderr
+    assert re.search(r"Model: gpt2, [\d,]+ parameters \(and [\d,]+ of the objective's own\)", log), log[-2000:]
+    results = json.loads((full / "eval_results.json").read_text())
+    ahead = [results[f"eval_ahead_{k}_loss"] for k in (2, 3)]
+    assert all(0 < loss for loss in ahead) and results["eval_perplexity"] == pytest.approx(
+        math.exp(results["eval_loss"])
+    )
+    assert results["eval_trained_loss"] == pytest.approx(results["eval_loss"] + 0.15 * sum(ahead), rel=1e-12)
+    assert results["eval_ahead_3_tokens"] < results["eval_ahead_2_tokens"] < results["eval_predicted_tokens"]
+    # The heads are trained and checkpointed: their weights moved from the first checkpoint to the last.
+    heads = [checkpointed_heads(full / f"checkpoint-{step}") for step in (4, 8)]
+    layers = {"dense": ("bias", "kernel"), "ln": ("bias", "scale")}
+    expected = sorted(f"{layer}_{k}/{name}" for k in (2, 3) for layer, names in layers.items() for name in names)
+    assert sorted("/".join(name) for name in heads[0]) == expected
+    assert all(not np.array_equal(heads[0][name], heads[1][name]) for name in heads[0])
+    # The saved model is a plain GPT-2: from_pretrained finds exactly a new GPT-2's parameters, no head of the block's.
+    saved = FlaxGPT2LMHeadModel.from_pretrained(full)
+    assert set(flatten_dict(saved.params)) == set(flatten_dict(FlaxGPT2LMHeadModel(saved.config).params))
+    # Killed once its first checkpoint is complete, then resumed: the same model, heads and losses, bit for bit.
+    killed_log = kill_after_first_checkpoint(command(killed), killed, env=TWO_DEVICES)
+    resumed = check_ok(run([*command(killed), "--resume_from_checkpoint"], env=TWO_DEVICES))
+    assert (full / "flax_model.msgpack").read_bytes() == (killed / "flax_model.msgpack").read_bytes()
+    again = checkpointed_heads(killed / "checkpoint-8")
+    assert all(np.array_equal(heads[1][name], again[name]) for name in heads[1])
+    after = losses_by_step(resumed.stdout + resumed.stderr)
+    assert after and all(losses_by_step(log)[s] == loss for s, loss in {**losses_by_step(killed_log), **after}.items())
+    scores = lambda results: {k: v for k, v in results.items() if "runtime" not in k and "per_second" not in k}  # noqa: E731
+    assert scores(json.loads((killed / "eval_results.json").read_text())) == scores(results)
+
+
 # A causal LM that also scores the tokens of row 0 apart, each counted as 1.0 (a mean of exactly 1 wherever the row
 # is in the batch), and logs the seed each collate_batch receives.
 FIRST_ROW = (
@@ -278,6 +377,7 @@ FIRST_ROW = (
     ),
     (
         '    return {"loss": (loss, count), "accuracy": (correct, count)}',
+        "    mask = batch['attention_mask'][:, 1:] * batch['attention_mask'][:, :-1]\n"
         "    first = (batch['first'][:, 1:] * mask).sum()\n"
         '    return {"loss": (loss, count), "accuracy": (correct, count), "first": (first, first)}',
     ),

@@ -102,7 +102,12 @@ def test_padding_is_masked_out_of_the_loss():
 
     def sums(logits, ids, mask):  # the objective's loss_sums on a model that returns `logits`
         out = clm.loss_sums(
-            lambda **_: (logits,), None, {"input_ids": ids, "attention_mask": mask}, None, False, False
+            lambda **_: {"logits": logits, "hidden_states": (None,)},
+            {"model": None},
+            {"input_ids": ids, "attention_mask": mask},
+            None,
+            False,
+            False,
         )
         return [float(x) for x in (out["loss"][0], out["accuracy"][0], out["loss"][1])]
 
@@ -137,7 +142,7 @@ def test_large_logits_are_computed_a_chunk_at_a_time(bf16, monkeypatch):
     batch = {"input_ids": ids, "attention_mask": mask}
 
     def sums(params):
-        return clm.loss_sums(model, params, batch, None, False, bf16)
+        return clm.loss_sums(model, {"model": params}, batch, None, False, bf16)
 
     results = []
     for chunk in (2**26, 3000):  # whole logits; 2 positions of the 3 rows a chunk (the last chunk padded)

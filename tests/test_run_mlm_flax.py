@@ -133,7 +133,7 @@ def test_checkpoint_restores_the_saved_model(trained, tiny_model_dir, corpus):
     tokenizer = AutoTokenizer.from_pretrained(out)
     inputs = dict(tokenizer(["the company said its shares <mask> N points"], return_tensors="np"))
     logits = jax.jit(lambda params: saved(**inputs, params=params).logits)
-    from_checkpoint, from_saved = np.asarray(logits(state.params)), np.asarray(logits(saved.params))
+    from_checkpoint, from_saved = np.asarray(logits(state.params["model"])), np.asarray(logits(saved.params))
     assert np.isfinite(from_saved).all()
     assert np.array_equal(from_checkpoint, from_saved)
 
