@@ -101,6 +101,11 @@ from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
 
 logger = logging.getLogger(__name__)
 
+# The file in order: the arguments; the objective block, all that differs between the four Flax training scripts;
+# main(), the run as a table of contents; the train state, its steps and the training loop; then the machinery they
+# call: arguments and checks, processes and signals, data, model and plan, --dtype bfloat16, devices and the loop's
+# bookkeeping, checkpoints and results. All but the block is the same text in the four (tests/test_layout.py).
+
 
 def arg(default, help, **kwargs):
     """A dataclass field with its --help text, as HfArgumentParser reads it."""
@@ -185,9 +190,19 @@ class DataArguments:
 
 
 # === the objective: T5 span corruption ============================================================================
-# Everything that differs between the four Flax training scripts is in this block, under the same names in each.
-# The rest of the file is the same text in all four (tests/test_layout.py checks it): to train another objective,
-# copy a script and change this block.
+# Everything that differs between the four Flax training scripts is in this block, under the same names in each;
+# the rest of the file is the same text in all four (tests/test_layout.py checks it). To train another objective,
+# copy a script and change this block; README.md's block table says what each name gets and returns.
+# What the machinery promises a block:
+# - loss_sums' (sum, count) pairs are summed over micro-batches, devices, log windows and evaluation before any
+#   division; training minimises the LOSS_TERMS-weighted means, each term's gradient over its own count; eval_loss
+#   and perplexity are the first term's.
+# - params["model"] is build_model's and params["objective"] init_objective_params': both are trained, sharded
+#   (--fsdp), checkpointed and restored; save_model gets params["model"] alone.
+# - Resumes are exact on any mesh: collate_batch draws its noise from (*seed, row id), and loss_sums' rng comes
+#   from (--seed, step, micro-batch).
+# A block may change the names in the table and add its own; of the machinery it calls fail, text_column,
+# group_texts, bound_length, pad_rows, init_model, model_logits, model_outputs, objective_apply, token_sums, logger.
 #
 # Texts are packed into blocks of the "expanded" length that gives exactly --max_seq_length input tokens after
 # corruption; in each block --mlm_probability of the tokens (the noise density) are chosen as random spans of mean
@@ -489,7 +504,7 @@ def loss_sums(model, params, batch, rng, train, bf16):
 # === end of the objective ==========================================================================================
 
 
-# --- main --------------------------------------------------------------------------------------------------------
+# --- main: the run in order ------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -536,7 +551,7 @@ def main(argv=None):
             resource.close()
 
 
-# --- model, steps and loop -----------------------------------------------------------------------------------------
+# --- the train state, its steps, the training and evaluation loop ----------------------------------------------------
 
 
 def build_train_state(model_args, args, config, plan, abstract=False):
@@ -631,17 +646,17 @@ class Run:
     """What training and evaluation need besides the train state, set up once by main()."""
 
     args: TrainingArguments
-    plan: Any
-    model: Any
-    tokenizer: Any
-    collator: Any
-    dataset: Any  # the train and validation splits
-    hub: Any  # (api, repo id, token) with --push_to_hub
-    eval_step: Any  # None without --do_eval
+    plan: Any  # TrainingPlan
+    model: Any  # build_model's: a model, or several (the block says)
+    tokenizer: transformers.PreTrainedTokenizerBase
+    collator: Any  # build_collator's, handed to collate_batch
+    dataset: dict  # "train" and "validation": datasets.Dataset, or IterableDataset when streamed
+    hub: tuple | None  # (HfApi, repo id, token) with --push_to_hub
+    eval_step: Any  # make_eval_step's jitted step; None without --do_eval
     objective: dict  # the objective's own arguments, recorded in checkpoints
     data: dict  # what the data position depends on (data_fingerprint), recorded in checkpoints
-    writer: Any = None  # TensorBoard
-    checkpoints: Any = None  # Orbax's CheckpointManager, while training
+    writer: Any = None  # tensorboardX's SummaryWriter; None with --report_to none
+    checkpoints: ocp.CheckpointManager | None = None  # while training
 
 
 def log_model(config, state, plan, max_seq_length):
@@ -661,10 +676,12 @@ def log_model(config, state, plan, max_seq_length):
 def train(state, train_step, run, progress):
     """Train `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
-    plan, args, loop = run.plan, run.args, Loop(first_step=progress.global_step)
+    plan, args = run.plan, run.args
+    loop = Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
-    streamed, STOP["training"] = isinstance(run.dataset["train"], datasets.IterableDataset), True
-    LOST["progress"] = progress
+    streamed = isinstance(run.dataset["train"], datasets.IterableDataset)
+    PROCESS.training = True
+    PROCESS.progress = progress
     with bar:  # closed before an error line
         for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
             batch = collate_batch(run.collator, examples, seed, rows, len(rows))
@@ -680,7 +697,7 @@ def train(state, train_step, run, progress):
                 bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
             if progress.global_step >= plan.total_steps:
                 break
-    STOP["training"] = False
+    PROCESS.training = False
     return state, train_summary(plan, progress, loop), loop.last_eval
 
 
@@ -746,7 +763,7 @@ def evaluate(params, run, step):
     }
 
 
-# === shared machinery: the same text in the four Flax training scripts ===========================================
+# === the machinery main() and the loop call ==========================================================================
 # --- arguments and checks ----------------------------------------------------------------------------------------
 
 
@@ -922,6 +939,9 @@ def check_data_file(flag, path, whole=True):
         fail(f"{flag} {path} is empty")
 
 
+# --- processes and signals: one process or many, a lost host, SIGTERM ------------------------------------------------
+
+
 def start_process(model_args, training_args):
     """Join a multi-host run and set this process up; returns output_dir's lock (process 0's),
     to hold while it runs."""
@@ -929,7 +949,7 @@ def start_process(model_args, training_args):
     if jax.process_count() > 1:
         watch_processes(training_args.output_dir, training_args.heartbeat_timeout_seconds)
     release_compiler_memory()
-    STOP.clear()
+    PROCESS.signal = 0
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     warn_if_bf16_is_slow("--dtype", model_args.dtype)
@@ -987,62 +1007,88 @@ def init_distributed(heartbeat_timeout_seconds):
 # --heartbeat_timeout_seconds, and at once when the coordinator (process 0) is gone. Each process writes the runtime's
 # own output (C++: XLA, gloo, the coordination service; Orbax's log) to output_dir/process-N.log, and turns the abort
 # into one line on the terminal and exit code 75 (EX_TEMPFAIL: resume and try again).
-LOST = {}  # "log", its "start", "terminal", "hosts", "timeout", "handler"; "progress" while training
+@dataclass
+class LostProcessWatch:
+    """What on_abort needs to name a lost process in one line; watch_processes sets it, in multi-host runs only."""
+
+    log: str  # this process's log, where the runtime writes
+    start: int  # the log's size when this run began: on_abort reads from there
+    terminal: io.TextIOBase  # the terminal (sys.stderr, while fd 2 goes to the log)
+    hosts: list  # every process's host name, in process order
+    timeout: float  # --heartbeat_timeout_seconds
+    handler: Any  # on_abort as a C function, kept referenced while it is the SIGABRT handler
+
+
+@dataclass
+class ProcessState:
+    """What the signal handlers read, set by start_process and the loop: one object for the process's life."""
+
+    signal: int = 0  # SIGTERM or SIGINT once received: training stops after the current step
+    training: bool = False  # whether the loop runs; outside it, a signal stops the run at once
+    progress: Any = None  # TrainingProgress, while training: where on_abort's line says it stopped
+    lost: LostProcessWatch | None = None  # a multi-host run's
+
+
+PROCESS = ProcessState()
 
 
 def watch_processes(output_dir, heartbeat_timeout_seconds):
-    LOST.update(log=os.path.join(output_dir, f"process-{jax.process_index()}.log"), timeout=heartbeat_timeout_seconds)
+    log_path = os.path.join(output_dir, f"process-{jax.process_index()}.log")
     os.makedirs(output_dir, exist_ok=True)
-    LOST["terminal"] = sys.stderr = open(os.dup(2), "w", buffering=1)  # Python's output; C++'s fd 2: the log
-    os.dup2(log := os.open(LOST["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
-    LOST["start"] = os.lseek(log, 0, os.SEEK_END)
+    terminal = sys.stderr = open(os.dup(2), "w", buffering=1)  # Python's output; C++'s fd 2: the log
+    os.dup2(log := os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    start = os.lseek(log, 0, os.SEEK_END)
     logging.root.handlers[0].setStream(sys.stderr)
-    logging.getLogger("absl").handlers, logging.getLogger("absl").propagate = [logging.FileHandler(LOST["log"])], False
-    LOST["hosts"] = gather_json(socket.gethostname())
-    LOST["handler"] = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_abort)
-    ctypes.CDLL(None).signal(signal.SIGABRT, LOST["handler"])
+    logging.getLogger("absl").handlers = [logging.FileHandler(log_path)]
+    logging.getLogger("absl").propagate = False
+    handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(on_abort)
+    hosts = gather_json(socket.gethostname())
+    PROCESS.lost = LostProcessWatch(log_path, start, terminal, hosts, heartbeat_timeout_seconds, handler)
+    ctypes.CDLL(None).signal(signal.SIGABRT, handler)
     sys.excepthook = log_and_wait
 
 
 def runtime_failed(error):
     """Whether `error` is the runtime's (its status first: UNKNOWN: Gloo AllGather failed...) in a multi-host run."""
-    return bool(LOST) and isinstance(error, (RuntimeError, ValueError)) and bool(re.match(r"[A-Z_]{5,}: ", str(error)))
+    return (
+        PROCESS.lost is not None
+        and isinstance(error, (RuntimeError, ValueError))
+        and bool(re.match(r"[A-Z_]{5,}: ", str(error)))
+    )
 
 
 def log_and_wait(kind, error, trace):
     """sys.excepthook: the runtime's error (a collective that lost a process) goes to the log, on_abort is awaited."""
     if runtime_failed(error):
         traceback.print_exception(kind, error, trace, file=sys.__stderr__)
-        time.sleep(LOST["timeout"] + 30)
+        time.sleep(PROCESS.lost.timeout + 30)
     sys.__excepthook__(kind, error, trace)
 
 
 def on_abort(_signum):
     """SIGABRT, in the runtime's thread (the main one waits on a collective): the lost process named from the log."""
-    text = Path(LOST["log"]).read_bytes()[LOST["start"] :].decode(errors="replace")
+    watch, progress = PROCESS.lost, PROCESS.progress or TrainingProgress()
+    text = Path(watch.log).read_bytes()[watch.start :].decode(errors="replace")
     dead = re.search(r"Task (\d+) heartbeat timeout|heartbeats\):\n(\d+)|()Service/(Heartbeat|Poll)", text)
-    lost, progress = dead and int(dead[1] or dead[2] or 0), LOST.get("progress", TrainingProgress())
     what = "JAX's distributed runtime aborted"  # a lost process it did not name, or a failure of its own
     if dead:
-        what = f"process {lost} (host {LOST['hosts'][lost]}{', the coordinator' * (lost == 0)}) was lost"
+        lost = int(dead[1] or dead[2] or 0)
+        what = f"process {lost} (host {watch.hosts[lost]}{', the coordinator' * (lost == 0)}) was lost"
     last = progress.last_checkpoint
     resume = f"resume from {last} with --resume_from_checkpoint" if last else "no checkpoint to resume from"
-    where = f"after step {progress.global_step}, so this process stopped; {resume} (log: {LOST['log']})"
-    LOST["terminal"].write(f"\n{os.path.basename(__file__)}: {what} {where}\n")  # under a progress bar
+    where = f"after step {progress.global_step}, so this process stopped; {resume} (log: {watch.log})"
+    watch.terminal.write(f"\n{os.path.basename(__file__)}: {what} {where}\n")  # under a progress bar
     os._exit(75)
 
 
 # SIGTERM (a preemption, a batch scheduler) and SIGINT (Ctrl-C) stop training after the current step, with a
 # checkpoint (after_step); a second signal ends the run at once, the last complete checkpoint intact.
-STOP = {}  # "signal": the signal received; "training": whether the loop runs
-
-
 def on_signal(signum, _frame):
-    if STOP.get("signal"):
+    if PROCESS.signal:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-    STOP["signal"] = signum
-    if not STOP.get("training"):
+    PROCESS.signal = signum
+    if not PROCESS.training:
         name = signal.Signals(signum).name
         print(f"{os.path.basename(__file__)}: stopped on {name}, outside training: nothing to save", file=sys.stderr)
         raise SystemExit(128 + signum)
@@ -1050,7 +1096,7 @@ def on_signal(signum, _frame):
 
 def stop_requested():
     """The signal any process received (all processes agree on the step they stop after), or 0."""
-    received = STOP.get("signal", 0)
+    received = PROCESS.signal
     return int(np.max(multihost_utils.process_allgather(np.int32(received)))) if jax.process_count() > 1 else received
 
 
@@ -1507,9 +1553,10 @@ def plan_training(training_args, dataset, max_seq_length):
             f"rate only reaches {args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, "
             f"not --learning_rate {args.learning_rate:g}"
         )
+    overridden = f" (--max_steps {args.max_steps}: --num_train_epochs is unused)" if args.max_steps > 0 else ""
     logger.info(
         f"***** Running training *****\n  Num examples = {plan.num_train_examples or 'streamed'}\n"
-        f"  Num epochs = {plan.num_epochs}\n"
+        f"  Num epochs = {plan.num_epochs}{overridden}\n"
         f"  Global batch size = {plan.train_batch_size} ({batch})\n  Total optimization steps = {plan.total_steps}"
     )
     return plan
@@ -1740,7 +1787,7 @@ def save_all_but_transcendentals(primitive, *_, **__):
 def as_sharded(tree, shardings, whole=False):
     """`tree` as `shardings` say, or (whole=True) each split array whole on every device. --fsdp's step gathers the
     parameters for its passes and splits each gradient back: left to itself, XLA split some products along the
-    model's width and held the global batch's activations on every device (benchmarks/README.md, 2026-11-26 05:00)."""
+    model's width and held the global batch's activations on every device, which is what --fsdp is there to avoid."""
 
     def constrain(x, sharding):
         if sharding.is_fully_replicated:
@@ -1812,8 +1859,18 @@ class TrainingProgress:
 
 
 @dataclass
+class LogWindow:
+    """The steps timed since the last log line: when the window began (evaluating and saving paused out), steps and
+    this process's tokens."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+
+
+@dataclass
 class Loop:
-    """The loop's bookkeeping, not saved; the log window: (start, steps, tokens), evaluating and saving paused out."""
+    """The loop's bookkeeping, not saved."""
 
     first_step: int
     started: float = field(default_factory=time.perf_counter)
@@ -1822,19 +1879,21 @@ class Loop:
     flops: float | None = None
     shapes: list = field(default_factory=list)  # the batch shapes the step was compiled for
     last_eval: tuple | None = None
-    window: list = field(default_factory=lambda: [time.perf_counter(), 0, 0])
+    window: LogWindow = field(default_factory=LogWindow)
 
     @contextlib.contextmanager
     def paused(self):
         start = time.perf_counter()
         yield
-        self.window[0] += time.perf_counter() - start
+        self.window.start += time.perf_counter() - start
 
 
 def timed_step(train_step, state, batch, loop):
     """One train step, its tokens counted; the first also counts its FLOPs and logs its time; a recompile is logged."""
     shapes, tokens = {name: value.shape for name, value in batch.items()}, batch["input_ids"].size
-    loop.tokens, loop.window[1], loop.window[2] = loop.tokens + tokens, loop.window[1] + 1, loop.window[2] + tokens
+    loop.tokens += tokens
+    loop.window.steps += 1
+    loop.window.tokens += tokens
     if loop.shapes:
         if shapes not in loop.shapes:
             changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
@@ -1846,7 +1905,7 @@ def timed_step(train_step, state, batch, loop):
     started = time.perf_counter()
     state, metrics = jax.block_until_ready(train_step(state, batch))
     logger.info(f"First step (compilation included): {time.perf_counter() - started:.1f} s")
-    loop.window = [time.perf_counter(), 0, 0]
+    loop.window = LogWindow()
     return state, metrics
 
 
@@ -1904,10 +1963,10 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
     line = f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
     line += "".join(f"{name} {value:.4f} | " for name, value in means.items() if name != "loss")
     line += f"lr {metrics['learning_rate']:.3e} | grad norm {metrics['grad_norm']:.3f}"
-    start, steps, tokens = loop.window
+    steps = loop.window.steps
     if steps:
-        seconds = time.perf_counter() - start
-        scalars.update(tokens_per_second=tokens / seconds, seconds_per_step=seconds / steps)
+        seconds = time.perf_counter() - loop.window.start
+        scalars.update(tokens_per_second=loop.window.tokens / seconds, seconds_per_step=seconds / steps)
         line += f" | {scalars['tokens_per_second']:,.0f} tokens/s | {seconds / steps:.3f} s/step"
     if steps and loop.flops:
         scalars["tflops"] = loop.flops * steps / seconds / 1e12
@@ -1918,7 +1977,7 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
     tqdm.write(line)
     for name, value in scalars.items() if writer is not None else ():
         writer.add_scalar(f"train/{name}", value, progress.global_step)
-    loop.window = [time.perf_counter(), 0, 0]
+    loop.window = LogWindow()
     return means
 
 

@@ -188,9 +188,9 @@ def test_a_second_signal_ends_the_run_at_once():
     process as SIGTERM's default does, so the last complete checkpoint stays as it was."""
     code = (
         "import os, signal, sys, time; sys.path.insert(0, 'tests'); from conftest import load_script; "
-        f"script = load_script({MLM!r}, 'signals'); script.STOP['training'] = True; "
+        f"script = load_script({MLM!r}, 'signals'); script.PROCESS.training = True; "
         "signal.signal(signal.SIGTERM, script.on_signal); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.5); "
-        "print('asked', script.STOP['signal'] == signal.SIGTERM, flush=True); os.kill(os.getpid(), signal.SIGTERM); "
+        "print('asked', script.PROCESS.signal == signal.SIGTERM, flush=True); os.kill(os.getpid(), signal.SIGTERM); "
         "time.sleep(5); print('still alive')"
     )
     result = run(["-c", code])
