@@ -35,6 +35,7 @@ Differs from upstream:
 
 import atexit
 import codecs
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -599,8 +600,10 @@ def make_train_step(model, schedule, bf16, seed, state):
     """The train step, one jit over plan.mesh that keeps `state`'s shardings; its batch holds micro-batches of rows
     sharded over every device. loss_sums' sums and counts are added over every micro-batch before any division, so
     every mean is exact over the global batch, and each loss term's gradient is divided by its own count: one batch
-    of that size would give the same update."""
+    of that size would give the same update. In a multi-process run it also takes every process's vote
+    (ProcessAgreement) and returns their largest, replicated."""
     base_key, shardings = jax.random.PRNGKey(seed), jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
 
     def loss_fn(params, batch, dropout_rng):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
@@ -616,7 +619,7 @@ def make_train_step(model, schedule, bf16, seed, state):
         basis = {name: {other: jnp.ones_like(v) * (other == name) for other, v in terms.items()} for name in terms}
         return sums, {name: as_sharded(vjp_fn(cotangent)[0], shardings.params) for name, cotangent in basis.items()}
 
-    def train_step(state, batch):
+    def train_step(state, batch, votes=None):
         # Dropout keys from (seed, step, micro-batch), drawn for the global batch whatever the device count: a resumed
         # run draws what an uninterrupted one drew, on any mesh.
         step_key = jax.random.fold_in(base_key, state.step)
@@ -639,6 +642,8 @@ def make_train_step(model, schedule, bf16, seed, state):
         ]
         grad = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), scaled)
         metrics = dict(sums=sums, learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
+        if votes is not None:
+            metrics["agreed"] = lax.with_sharding_constraint(jnp.max(votes, axis=0), replicated)
         return state.apply_gradients(grads=grad), metrics
 
     return jax.jit(train_step, out_shardings=(shardings, None), donate_argnums=(0,))
@@ -693,20 +698,19 @@ def train(state, train_step, run, progress):
     plan, args = run.plan, run.args
     loop = Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
-    streamed = isinstance(run.dataset["train"], datasets.IterableDataset)
     PROCESS.training = True
     PROCESS.progress = progress
+    agreement = ProcessAgreement(local_batches(run, progress), run.tokenizer.pad_token_id, plan)
     with bar:  # closed before an error line
-        for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
-            batch = collate_batch(run.collator, examples, seed, rows, len(rows))
-            batch = common_shapes(batch, run.tokenizer.pad_token_id)
+        for batch, position, end_of_epoch, votes in agreement:
             batch = global_batch(batch, plan, args.gradient_accumulation_steps)
-            state, metrics = timed_step(train_step, state, batch, loop)
+            state, metrics = timed_step(train_step, state, batch, loop, votes)
+            agreement.read(metrics)
             progress.global_step += 1
             progress.epoch, progress.batch_in_epoch, progress.stream = position
             loop.pending.append((progress.global_step, metrics))
             bar.update(1)
-            logged = after_step(state, run, progress, loop, end_of_epoch)
+            logged = after_step(state, run, progress, loop, end_of_epoch, agreement)
             if logged:
                 bar.set_postfix({name: f"{value:.4g}" for name, value in logged.items()})
             if progress.global_step >= plan.total_steps:
@@ -715,9 +719,10 @@ def train(state, train_step, run, progress):
     return state, train_summary(plan, progress, loop), loop.last_eval
 
 
-def after_step(state, run, progress, loop, end_of_epoch):
+def after_step(state, run, progress, loop, end_of_epoch, agreement):
     """A log line every --logging_steps, an evaluation every --eval_steps (default: each epoch) and a checkpoint
-    every --save_steps, each also after the last step. Returns the logged means, if any."""
+    every --save_steps, each also after the last step, and after a step that `agreement` says to stop after.
+    Returns the logged means, if any."""
     args, step, logged = run.args, progress.global_step, None
     last = step == run.plan.total_steps
     if step % args.logging_steps == 0 or last:
@@ -725,7 +730,7 @@ def after_step(state, run, progress, loop, end_of_epoch):
     if run.eval_step is not None and (step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last):
         with loop.paused():
             loop.last_eval = (step, evaluate(state.params, run, step))
-    stop = stop_requested()
+    stop = agreement.stop()
     if step % args.save_steps == 0 or last or stop:
         with loop.paused():
             fetch_metrics(loop, progress)
@@ -1108,12 +1113,6 @@ def on_signal(signum, _frame):
         raise SystemExit(128 + signum)
 
 
-def stop_requested():
-    """The signal any process received (all processes agree on the step they stop after), or 0."""
-    received = PROCESS.signal
-    return int(np.max(multihost_utils.process_allgather(np.int32(received)))) if jax.process_count() > 1 else received
-
-
 # --- data --------------------------------------------------------------------------------------------------------
 
 
@@ -1363,14 +1362,73 @@ def read_ahead(iterator):
             yield item
 
 
-def common_shapes(batch, pad_token_id):
-    """Across processes, every array padded to the largest shape (labels -100, ids the pad token, others 0)."""
-    if jax.process_count() == 1:
-        return batch
-    dims = np.concatenate([np.asarray(value.shape[1:], np.int32) for value in batch.values()])
-    most, padded = np.max(multihost_utils.process_allgather(dims), axis=0), {}
+def local_batches(run, progress):
+    """This process's batches from `progress` on, collated: (batch, the data position after it, whether it ends its
+    epoch)."""
+    streamed = isinstance(run.dataset["train"], datasets.IterableDataset)
+    for examples, seed, rows, position, end_of_epoch in (stream_rows if streamed else epoch_rows)(run, progress):
+        yield collate_batch(run.collator, examples, seed, rows, len(rows)), position, end_of_epoch
+
+
+class ProcessAgreement:
+    """What the processes of a multi-process run agree on with no host collective but at the start, so that no
+    process waits for its devices between steps: each batch's shapes (every process pads its rows to the largest)
+    and the step to stop after. Each train step takes this process's vote, the shapes of the batch two ahead and the
+    signal received (0 if none), and returns every process's largest; that is read while the next step runs, so
+    batches are collated three ahead and every process stops after the same step. A single process agrees with
+    itself: its batches as collated, its own signal when asked."""
+
+    def __init__(self, batches, pad_token_id, plan):
+        self.batches, self.pad_token_id, self.plan = batches, pad_token_id, plan
+        self.multi = jax.process_count() > 1
+        self.ahead = collections.deque(itertools.islice(batches, 3) if self.multi else ())
+        self.agreed = collections.deque(largest_shapes([batch for batch, *_ in list(self.ahead)[:2]]))
+        self.voted = None  # the last step's result, read once the step after it runs
+        self.signal = 0
+
+    def __iter__(self):
+        if not self.multi:
+            yield from ((*item, None) for item in self.batches)
+            return
+        rows = NamedSharding(self.plan.mesh, PartitionSpec(("replica", "fsdp")))
+        width = len(shape_vector(self.ahead[0][0]))
+        while self.ahead:
+            batch, position, end_of_epoch = self.ahead.popleft()
+            shapes = shape_vector(self.ahead[1][0]) if len(self.ahead) > 1 else np.zeros(width, np.int32)
+            local = np.tile(np.append(shapes, np.int32(PROCESS.signal)), (self.plan.local_devices, 1))
+            votes = jax.make_array_from_process_local_data(rows, local, (self.plan.num_devices, width + 1))
+            yield pad_to(batch, self.agreed.popleft(), self.pad_token_id), position, end_of_epoch, votes
+            self.ahead.extend(itertools.islice(self.batches, 1))
+
+    def read(self, metrics):
+        """Takes the step's result out of its metrics, and reads the step before's: shapes and signal."""
+        voted, self.voted = self.voted, metrics.pop("agreed", None)
+        if voted is not None:
+            voted = np.asarray(voted)  # the step before's, done (or all but) while this one waits to run
+            self.agreed.append(voted[:-1])
+            self.signal = int(voted[-1])
+
+    def stop(self):
+        """The signal to stop on after this step, or 0: in a multi-process run the same in every process."""
+        return self.signal if self.multi else PROCESS.signal
+
+
+def shape_vector(batch):
+    return np.concatenate([np.asarray(value.shape[1:], np.int32) for value in batch.values()])
+
+
+def largest_shapes(batches):
+    """Each batch's largest shape_vector over every process, with one collective for them all."""
+    if jax.process_count() == 1 or not batches:
+        return [shape_vector(batch) for batch in batches]
+    return list(np.max(multihost_utils.process_allgather(np.stack([shape_vector(b) for b in batches])), axis=0))
+
+
+def pad_to(batch, dims, pad_token_id):
+    """Every array of `batch` padded to `dims` (shape_vector's order): labels -100, ids the pad token, others 0."""
+    padded, dims = {}, list(dims)
     for name, value in batch.items():
-        target, most = most[: value.ndim - 1], most[value.ndim - 1 :]
+        target, dims = dims[: value.ndim - 1], dims[value.ndim - 1 :]
         fill = -100 if name == "labels" else (pad_token_id or 0) if name.endswith("input_ids") else 0
         widths = [(0, 0)] + [(0, int(t) - d) for t, d in zip(target, value.shape[1:], strict=True)]
         padded[name] = np.pad(value, widths, constant_values=fill)
@@ -1902,7 +1960,7 @@ class Loop:
         self.window.start += time.perf_counter() - start
 
 
-def timed_step(train_step, state, batch, loop):
+def timed_step(train_step, state, batch, loop, votes=None):
     """One train step, its tokens counted; the first also counts its FLOPs and logs its time; a recompile is logged."""
     shapes, tokens = {name: value.shape for name, value in batch.items()}, batch["input_ids"].size
     loop.tokens += tokens
@@ -1913,11 +1971,11 @@ def timed_step(train_step, state, batch, loop):
             changed = ", ".join(f"{k} {loop.shapes[0][k]} -> {v}" for k, v in shapes.items() if v != loop.shapes[0][k])
             logger.info(f"the train step compiles again, for new batch shapes: {changed}")
             loop.shapes.append(shapes)
-        return train_step(state, batch)
+        return train_step(state, batch, votes)
     loop.shapes.append(shapes)
-    loop.flops = matmul_flops(train_step.trace(state, batch).jaxpr.jaxpr)  # one step's, over all devices
+    loop.flops = matmul_flops(train_step.trace(state, batch, votes).jaxpr.jaxpr)  # one step's, over all devices
     started = time.perf_counter()
-    state, metrics = jax.block_until_ready(train_step(state, batch))
+    state, metrics = jax.block_until_ready(train_step(state, batch, votes))
     logger.info(f"First step (compilation included): {time.perf_counter() - started:.1f} s")
     loop.window = LogWindow()
     return state, metrics

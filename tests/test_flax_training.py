@@ -304,6 +304,34 @@ def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, c
     assert f"Resuming at step {stopped[0][1]}" in logs[0] and len(logged_losses(logs[0])) == 2
 
 
+# `python -c COUNTED script args...`: the script run as __main__ with multihost_utils.process_allgather counted, the
+# count printed at exit.
+COUNTED = """import atexit, runpy, sys
+from jax.experimental import multihost_utils
+calls, real = [], multihost_utils.process_allgather
+multihost_utils.process_allgather = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+atexit.register(lambda: print(f"process_allgather calls: {len(calls)}", file=sys.stderr, flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_multi_process_run_makes_no_host_collective_at_a_step_where_nothing_is_due(request, corpus, tmp_path):
+    """Two processes agree on each batch's shapes and on a stop inside the train step (ProcessAgreement): a run of
+    12 steps calls process_allgather as often as one of 4 (at the start, and for the log line and the
+    checkpoint at the end): at no step."""
+    counts = []
+    for steps in ("4", "12"):
+        out = tmp_path / f"steps-{steps}"
+        args = flax_args(MLM, request, corpus, out, "--do_train", "--per_device_train_batch_size", "2", "--max_steps")
+        procs = start_two_hosts(["-c", COUNTED, *args, steps, "--report_to", "none"], tmp_path)
+        logs = finish(procs)
+        assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+        counts.append([int(re.search(r"process_allgather calls: (\d+)", log)[1]) for log in logs])
+        assert len(logged_losses(logs[0])) == 1 and (out / f"checkpoint-{steps}" / "trainer_state").is_dir()
+    assert counts[0] == counts[1], counts
+
+
 def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch):
     """release_compiler_memory (shared verbatim by the four scripts) calls malloc_trim once per XLA compilation."""
     import ctypes
