@@ -125,6 +125,29 @@ def test_padding_is_masked_out_of_the_loss():
     assert loss == pytest.approx(float(expected), rel=1e-5)  # float32 log-softmax in two libraries: about 1e-7
 
 
+def test_model_outputs_gives_the_final_hidden_state_the_head_reads():
+    """model_outputs' hidden state is the head's input: through apply_head (capture_head's kernel and bias) it gives
+    the model's own logits, for GPT-2 (its last hidden state, after ln_f) and for T5 (the decoder's, at the
+    decoder's length; T5 scales it by d_model ** -0.5 before a tied head, so an untied one is taken here)."""
+    import transformers
+
+    ids = np.random.default_rng(0).integers(0, 100, size=(2, 12)).astype("i4")
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "decoder_input_ids": ids[:, :5]}
+    for model in (
+        transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100)),
+        transformers.FlaxT5ForConditionalGeneration(
+            transformers.T5Config(
+                d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, vocab_size=100, tie_word_embeddings=False
+            )
+        ),
+    ):
+        head = {}
+        logits, hidden = clm.model_outputs(model, model.params, batch, False, [clm.capture_head(head)])
+        assert hidden.shape == (*logits.shape[:2], 32) and head["logits"] is logits
+        # the same product of the same float32 operands, lowered as one dot either way: equal to float32 rounding
+        np.testing.assert_allclose(clm.apply_head(head, hidden, False), logits, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_large_logits_are_computed_a_chunk_at_a_time(bf16, monkeypatch):
     """Above 16 * HEAD_CHUNK logits, the head and the loss go a chunk of positions at a time: the same sums and
