@@ -181,11 +181,11 @@ def test_masks_depend_on_the_example_not_the_batch(tokenizer):
 
 def test_a_batch_of_new_shapes_is_logged_as_a_recompilation(caplog):
     """Each new batch width compiles the train step again: the loop says so, with the shapes that changed."""
-    loop, calls, jitted = mlm.Loop(first_step=0), [], mlm.jax.jit(lambda state, batch: (state, {}))
+    loop, calls, jitted = mlm.Loop(first_step=0), [], mlm.jax.jit(lambda state, batch, votes=None: (state, {}))
 
-    def step(state, batch):
+    def step(state, batch, votes=None):
         calls.append(batch["labels"].shape)
-        return jitted(state, batch)
+        return jitted(state, batch, votes)
 
     step.trace = jitted.trace  # the loop counts the first step's FLOPs from its trace
 
