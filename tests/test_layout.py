@@ -88,26 +88,28 @@ def test_flax_training_scripts_differ_only_in_their_objective_block():
         )
 
 
-def test_flax_training_scripts_keep_their_reading_path_and_machinery_short():
-    """In each of the four (ruff-formatted) Flax training scripts, the reading path (from the start of the file to
-    the machinery's banner: arguments, the objective block with its contract, main() and the loop) is at most 800
-    lines, and the machinery (from the banner to the end) at most 1,620: what honest formatting of today's features
-    needs (messages wrapped at 119 columns, state in typed objects, nothing squeezed: 683 to 784 and 1,592 lines),
-    with room for a fix, not a feature; what a training run does not need lives in the tools beside them
-    (flax/train_compile.py, flax/dump_noised_examples.py)."""
+def test_the_flax_training_scripts_read_from_main_to_the_machinery():
+    """Each of the four Flax training scripts reads in one order: the arguments, the objective block, main() and the
+    loop it calls, then the machinery's banner and what main() and the loop call. (No line count: a feature's lines
+    are bounded where they are read, by the 80-line functions and the four scripts' one shared text above.)"""
+    import ast
+
     from conftest import FLAX_TRAINING_SCRIPTS
 
     for path in FLAX_TRAINING_SCRIPTS:
-        lines = open(os.path.join(ROOT, path)).read().splitlines()
+        source = open(os.path.join(ROOT, path)).read()
+        lines = source.splitlines()
         banner = next(i for i, line in enumerate(lines) if line.startswith("# === the machinery main() and the loop"))
-        assert banner <= 800, f"{path}: the reading path has {banner} lines, more than 800"
-        assert len(lines) - banner <= 1620, f"{path}: the machinery has {len(lines) - banner} lines, more than 1,620"
+        defined = {node.name: node.lineno - 1 for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+        block = source[: source.index(BLOCK_END)].count("\n")
+        assert block < defined["main"] < defined["train"] < banner, path
+        assert all(defined[name] > banner for name in ("fail", "parse_args", "save_checkpoint")), path
 
 
-def test_the_readme_is_a_map_of_at_most_230_lines_whose_links_resolve():
-    """README.md stays a map (the commands, the layout, one command per script, the block table, headline results):
-    at most 230 lines, what its sections need unsqueezed; long figures go to benchmarks/README.md, dated ones to
-    benchmarks/LOG.md, and every link to a file or heading there resolves."""
+def test_the_readme_is_a_map_whose_links_and_paths_resolve():
+    """README.md is a map of the repository: every link to a file or heading resolves, every repository path it
+    names exists, and every script of the folders a user runs from (flax/, pytorch/, tensorflow/, tokenizers/) is
+    named in it. (No line cap: long figures go to benchmarks/README.md, dated ones to benchmarks/LOG.md.)"""
     import re
 
     def anchors(path):
@@ -116,13 +118,20 @@ def test_the_readme_is_a_map_of_at_most_230_lines_whose_links_resolve():
         return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
 
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert len(readme.splitlines()) <= 230, f"README.md has {len(readme.splitlines())} lines, more than 230"
     results, log = anchors("benchmarks/README.md"), anchors("benchmarks/LOG.md")
     for target, anchor in re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", readme):
         assert os.path.exists(os.path.join(ROOT, target)), target
         assert not anchor or target != "benchmarks/README.md" or anchor in results, anchor
     for anchor in re.findall(r"\]\(LOG\.md#([^)]+)\)", open(os.path.join(ROOT, "benchmarks", "README.md")).read()):
         assert anchor in log, anchor
+    folders = ("flax", "pytorch", "tensorflow", "tokenizers", "benchmarks", "tests")
+    named = set(re.findall(rf"\b((?:{'|'.join(folders)})/[\w.-]*\w)(?![\w{{-])", readme))  # not a pattern
+    assert len(named) > 20 and all(os.path.exists(os.path.join(ROOT, path)) for path in named), sorted(
+        path for path in named if not os.path.exists(os.path.join(ROOT, path))
+    )
+    for folder in folders[:4]:
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            assert not name.endswith(".py") or name in readme, f"README.md does not name {folder}/{name}"
 
 
 def test_every_script_tells_bf16_support_with_the_same_function():
