@@ -30,9 +30,11 @@ def fit_objective(config, tokenizer, source):
 
 
 def resolve_max_seq_length(data_args, config, tokenizer):
-    length = min(data_args.max_seq_length or tokenizer.model_max_length, tokenizer.model_max_length)
-    if not MIN_LENGTH <= length <= config.max_position_embeddings:
-        fail(f"--max_seq_length must be in [{MIN_LENGTH}, {config.max_position_embeddings}], got {length}")
+    """The tokenizer's limit and the model's positions both bound the length (bound_length); 0 is refused, not taken
+    for the default."""
+    length = bound_length(data_args.max_seq_length, config, tokenizer)
+    if length < MIN_LENGTH:
+        fail(f"--max_seq_length must be at least {MIN_LENGTH}, got {length}")
     return length
 
 
