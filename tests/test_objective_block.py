@@ -298,21 +298,23 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
 def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_plain_model(gpt2_dir, corpus, tmp_path):
     """tests/mtp_block.py in a copy of run_clm_flax.py: two extra heads of the block's own (params["objective"]), on
     two devices with accumulation, are trained and evaluated, each head's loss reported; eval_loss is the next-token
-    loss; the heads are in every checkpoint and resume bit for bit, and the saved model is a plain GPT-2 that
-    from_pretrained loads, without them."""
+    loss; each head's count is the eval rows' positions that have the token it predicts; the heads are in every
+    checkpoint and resume bit for bit, and the saved model is a plain GPT-2, without them: its msgpack holds a new
+    GPT-2's parameters, bit for bit the last checkpoint's params["model"]."""
     import jax
     import orbax.checkpoint as ocp
+    from flax.serialization import msgpack_restore
     from flax.traverse_util import flatten_dict
-    from transformers import FlaxGPT2LMHeadModel
+    from transformers import AutoTokenizer, FlaxGPT2LMHeadModel, GPT2Config
 
     script = patched_block_script("flax/run_clm_flax.py", "mtp_block.py", tmp_path)
 
-    def checkpointed_heads(checkpoint):  # params["objective"] of a checkpoint, read on the host
+    def checkpointed_heads(checkpoint, part="objective"):  # params[part] of a checkpoint, read on the host
         state, checkpointer = checkpoint / "state", ocp.PyTreeCheckpointer()
         as_numpy = jax.tree.map(
             lambda _: ocp.RestoreArgs(restore_type=np.ndarray), checkpointer.metadata(state).item_metadata.tree
         )
-        return flatten_dict(checkpointer.restore(state, restore_args=as_numpy)["params"]["objective"])
+        return flatten_dict(checkpointer.restore(state, restore_args=as_numpy)["params"][part])
 
     def command(output_dir):
         args = script_args(str(script), "gpt2", gpt2_dir, corpus, output_dir, "--block_size", "32")
@@ -339,16 +341,29 @@ def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_p
         math.exp(results["eval_loss"])
     )
     assert results["eval_trained_loss"] == pytest.approx(results["eval_loss"] + 0.15 * sum(ahead), rel=1e-12)
-    assert results["eval_ahead_3_tokens"] < results["eval_ahead_2_tokens"] < results["eval_predicted_tokens"]
+    # The counts by hand: the validation text's tokens (each line with its newline, --keep_linebreaks) in blocks
+    # of 32, each with 31 positions that have the next token, 30 the one 2 ahead and 29 the one 3 ahead.
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_dir)
+    lines = (corpus / "validation_slice.txt").read_text().splitlines(keepends=True)
+    blocks = sum(len(tokenizer(line)["input_ids"]) for line in lines) // 32
+    assert blocks > 10 and results["eval_samples"] == blocks
+    counts = [results[f"eval_{name}_tokens"] for name in ("predicted", "ahead_2", "ahead_3")]
+    assert counts == [31 * blocks, 30 * blocks, 29 * blocks], (counts, blocks)
     # The heads are trained and checkpointed: their weights moved from the first checkpoint to the last.
     heads = [checkpointed_heads(full / f"checkpoint-{step}") for step in (4, 8)]
     layers = {"dense": ("bias", "kernel"), "ln": ("bias", "scale")}
     expected = sorted(f"{layer}_{k}/{name}" for k in (2, 3) for layer, names in layers.items() for name in names)
     assert sorted("/".join(name) for name in heads[0]) == expected
     assert all(not np.array_equal(heads[0][name], heads[1][name]) for name in heads[0])
-    # The saved model is a plain GPT-2: from_pretrained finds exactly a new GPT-2's parameters, no head of the block's.
-    saved = FlaxGPT2LMHeadModel.from_pretrained(full)
-    assert set(flatten_dict(saved.params)) == set(flatten_dict(FlaxGPT2LMHeadModel(saved.config).params))
+    # The saved model is a plain GPT-2, read from the file itself (from_pretrained would drop keys it does not know):
+    # a new GPT-2's parameters, no head of the block's, bit for bit the last checkpoint's params["model"].
+    saved = flatten_dict(msgpack_restore((full / "flax_model.msgpack").read_bytes()))
+    new = flatten_dict(
+        FlaxGPT2LMHeadModel(GPT2Config.from_pretrained(full), _do_init=False).init_weights(jax.random.key(0), (1, 1))
+    )
+    assert sorted(saved) == sorted(new), sorted(set(saved) ^ set(new))
+    model = checkpointed_heads(full / "checkpoint-8", "model")
+    assert sorted(model) == sorted(saved) and all(np.array_equal(model[name], saved[name]) for name in model)
     # Killed once its first checkpoint is complete, then resumed: the same model, heads and losses, bit for bit.
     killed_log = kill_after_first_checkpoint(command(killed), killed, env=TWO_DEVICES)
     resumed = check_ok(run([*command(killed), "--resume_from_checkpoint"], env=TWO_DEVICES))
