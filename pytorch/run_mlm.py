@@ -381,6 +381,9 @@ def validate_args(model_args, data_args, training_args):
         path = getattr(model_args, flag)
         if path and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
+    tokenizer_flag = "tokenizer_name" if model_args.tokenizer_name else "model_name_or_path"
+    if getattr(model_args, tokenizer_flag):
+        check_tokenizer_folder(f"--{tokenizer_flag}", getattr(model_args, tokenizer_flag))
     if model_args.model_type is not None and model_args.model_type not in MODEL_TYPES:
         fail(f"--model_type {model_args.model_type!r} has no masked-LM model; choose one of {', '.join(MODEL_TYPES)}")
     if os.path.exists(training_args.output_dir) and not os.path.isdir(training_args.output_dir):
@@ -394,6 +397,39 @@ def validate_args(model_args, data_args, training_args):
     check_hub_name("--dataset_name", data_args.dataset_name)
     for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
         check_hub_name(f"--{flag}", getattr(model_args, flag))
+
+
+# Where a local folder has no tokenizer.json and tokenizer_config.json names no class known here: any of these is a
+# vocabulary some tokenizer class reads.
+VOCABULARY_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def missing_tokenizer_files(path):
+    """The files a local tokenizer folder lacks, [] where it is whole: tokenizer.json, or every vocabulary file of the
+    class its tokenizer_config.json names (transformers' slow classes open a missing one as None: a TypeError)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return []
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class") or ""
+        needed = list(tokenizer_class_from_name(name.removesuffix("Fast")).vocab_files_names.values())
+    except Exception:  # noqa: BLE001 - no tokenizer_config.json, or a class this install cannot name
+        if any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+            return []
+        return ["tokenizer.json", f"a vocabulary ({', '.join(VOCABULARY_FILES)})"]
+    absent = [name for name in needed if not os.path.isfile(os.path.join(path, name))]
+    return ["tokenizer.json", *absent] if absent or not needed else []
+
+
+def check_tokenizer_folder(flag, path):
+    missing = missing_tokenizer_files(path)
+    if missing:
+        fail(
+            f"{flag} {path} holds no complete tokenizer: it lacks {', '.join(missing)}; write one with "
+            "tokenizers/train_tokenizer.py, or pass the folder that holds one"
+        )
 
 
 def check_data_file(flag, path):
@@ -796,8 +832,8 @@ def load_config_and_tokenizer(model_args):
         tokenizer = AutoTokenizer.from_pretrained(
             tokenizer_source, use_fast=model_args.use_fast_tokenizer, **hub_kwargs
         )
-    except (OSError, ValueError) as e:
-        fail(f"cannot load the config or tokenizer: {str(e).splitlines()[0]}")
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer.json raises a bare Exception
+        fail(f"cannot load the config or tokenizer: {(str(e).splitlines() or [type(e).__name__])[0]}")
     if model_args.model_type not in (None, config.model_type):
         source = model_args.config_name or model_args.model_name_or_path
         fail(

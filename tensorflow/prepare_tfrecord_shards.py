@@ -127,6 +127,39 @@ def check_hub_name(flag, name):
         )
 
 
+# Where a local folder has no tokenizer.json and tokenizer_config.json names no class known here: any of these is a
+# vocabulary some tokenizer class reads.
+VOCABULARY_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def missing_tokenizer_files(path):
+    """The files a local tokenizer folder lacks, [] where it is whole: tokenizer.json, or every vocabulary file of the
+    class its tokenizer_config.json names (transformers' slow classes open a missing one as None: a TypeError)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return []
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class") or ""
+        needed = list(tokenizer_class_from_name(name.removesuffix("Fast")).vocab_files_names.values())
+    except Exception:  # noqa: BLE001 - no tokenizer_config.json, or a class this install cannot name
+        if any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+            return []
+        return ["tokenizer.json", f"a vocabulary ({', '.join(VOCABULARY_FILES)})"]
+    absent = [name for name in needed if not os.path.isfile(os.path.join(path, name))]
+    return ["tokenizer.json", *absent] if absent or not needed else []
+
+
+def check_tokenizer_folder(flag, path):
+    missing = missing_tokenizer_files(path)
+    if missing:
+        fail(
+            f"{flag} {path} holds no complete tokenizer: it lacks {', '.join(missing)}; write one with "
+            "tensorflow/train_unigram.py or tokenizers/train_tokenizer.py, or pass the folder that holds one"
+        )
+
+
 def check_text_file(flag, path):
     """A local text file: a file (not a folder), UTF-8 (with the line of the first byte that is not), not blank."""
     if os.path.isdir(path):
@@ -214,12 +247,16 @@ def main(argv=None):
     if not args.output_dir.startswith("gs://"):
         check_writable("--output_dir", args.output_dir)
     check_hub_name("--tokenizer_name_or_path", args.tokenizer_name_or_path)
+    check_tokenizer_folder("--tokenizer_name_or_path", args.tokenizer_name_or_path)
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
-    except (OSError, ValueError) as e:
-        fail(f"cannot load the tokenizer {args.tokenizer_name_or_path!r}: {str(e).splitlines()[0]}")
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer file raises what its reader raises
+        fail(
+            f"cannot load the tokenizer {args.tokenizer_name_or_path!r} ({type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]})"
+        )
 
     import tensorflow as tf
 

@@ -682,7 +682,41 @@ def check_model_sources(args):
         )
     for flag, name in ((config_flag, config_source), ("--tokenizer", args.tokenizer)):
         check_hub_name(flag, name)
+    check_tokenizer_folder("--tokenizer", args.tokenizer)
     return config_source
+
+
+# Where a local folder has no tokenizer.json and tokenizer_config.json names no class known here: any of these is a
+# vocabulary some tokenizer class reads.
+VOCABULARY_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def missing_tokenizer_files(path):
+    """The files a local tokenizer folder lacks, [] where it is whole: tokenizer.json, or every vocabulary file of the
+    class its tokenizer_config.json names (transformers' slow classes open a missing one as None: a TypeError)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return []
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class") or ""
+        needed = list(tokenizer_class_from_name(name.removesuffix("Fast")).vocab_files_names.values())
+    except Exception:  # noqa: BLE001 - no tokenizer_config.json, or a class this install cannot name
+        if any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+            return []
+        return ["tokenizer.json", f"a vocabulary ({', '.join(VOCABULARY_FILES)})"]
+    absent = [name for name in needed if not os.path.isfile(os.path.join(path, name))]
+    return ["tokenizer.json", *absent] if absent or not needed else []
+
+
+def check_tokenizer_folder(flag, path):
+    missing = missing_tokenizer_files(path)
+    if missing:
+        fail(
+            f"{flag} {path} holds no complete tokenizer: it lacks {', '.join(missing)}; write one with "
+            "tensorflow/train_unigram.py or tokenizers/train_tokenizer.py, or pass the folder that holds one"
+        )
 
 
 def setup_strategy(args):

@@ -692,3 +692,40 @@ def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax):
             "--model_dir out/nowhere does not exist (relative paths are read from",
         ),
     )
+
+
+def test_a_tokenizer_folder_without_its_files(corpus, tmp_path, tiny_model_dir, corpus_shards):
+    """A folder with the tokenizer's settings (tokenizer_config.json) and a config, but neither tokenizer.json nor the
+    vocabulary its class reads: one line naming the files, in every script that takes a tokenizer folder (transformers
+    raised a TypeError on a None path)."""
+    half = tmp_path / "half"
+    half.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, half / name)
+    lacks = f"{half} holds no complete tokenizer: it lacks tokenizer.json, vocab.json, merges.txt; write one with"
+    torch = pytorch(tiny_model_dir, corpus, tmp_path / "a")
+    torch[torch.index("--tokenizer_name") + 1] = str(half)
+    tf = tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "b")
+    tf[tf.index("--tokenizer") + 1] = str(half)
+    errors(
+        (torch, f"--tokenizer_name {lacks}", "tokenizers/train_tokenizer.py"),
+        (
+            [
+                "tensorflow/prepare_tfrecord_shards.py",
+                "--tokenizer_name_or_path",
+                str(half),
+                "--train_file",
+                str(corpus / "validation_slice.txt"),
+                "--output_dir",
+                str(tmp_path / "c"),
+            ],
+            f"--tokenizer_name_or_path {lacks}",
+            "tensorflow/train_unigram.py",
+        ),
+        (tf, f"--tokenizer {lacks}"),
+        (
+            ["tokenizers/create_config.py", "--model_type", "roberta", "--tokenizer_name", str(half)]
+            + ["--output_dir", str(tmp_path / "d")],
+            f"--tokenizer_name {lacks}",
+        ),
+    )

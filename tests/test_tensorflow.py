@@ -409,11 +409,12 @@ def test_missing_tokenizer_and_hub_offline(prepared, tmp_path):
         "run_mlm.py",
     )
     assert "--tokenizer" in line and "no-tokenizer" in line
-    # an empty tokenizer folder fails after the strategy is chosen: --bfloat16 on a CPU without bf16 instructions
-    # warned first
-    (tmp_path / "empty").mkdir()
+    # a damaged tokenizer.json fails as it is read, after the strategy is chosen: --bfloat16 on a CPU without bf16
+    # instructions warned first
+    shutil.copytree(prepared / "tokenizer", tmp_path / "damaged")
+    (tmp_path / "damaged" / "tokenizer.json").write_text('{"version": "1.0", "trunc')
     result = run(
-        mlm_args(prepared, tmp_path / "out2", "--no_tpu", "--bfloat16", "--tokenizer", str(tmp_path / "empty")),
+        mlm_args(prepared, tmp_path / "out2", "--no_tpu", "--bfloat16", "--tokenizer", str(tmp_path / "damaged")),
         env={**OFFLINE, "LM_CPU_BF16": "0"},
     )
     assert (
