@@ -162,13 +162,29 @@ def build_parser():
     return parser
 
 
+# The counts a user may give: each at least 1 where given (None, not 0, stands for "not given": the preset's or
+# --quick's default).
+COUNTS = ("steps", "batch_size", "seq_len", "repeats", "eval_steps", "preprocess_lines", "flax_devices")
+
+
+def check_counts(args):
+    """Refuse a count below 1 as parsed, before anything runs: 0 would otherwise read as "not given"."""
+    for flag in COUNTS:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            fail(f"--{flag} must be a positive integer, got {value}")
+
+
 def resolve_args(args):
     """Fill in the defaults that depend on --quick and --end_to_end, check the flags, mark the bf16 modes to skip;
     return the modes to run and the model and batch size."""
     args.size = args.size or ("tiny" if args.quick else "base")
-    args.steps = args.steps or ((20 if args.quick else 300) if args.end_to_end else (8 if args.quick else 20))
-    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else 3)
-    args.preprocess_lines = args.preprocess_lines or (5000 if args.quick else 10**9)
+    if args.steps is None:
+        args.steps = (20 if args.quick else 300) if args.end_to_end else (8 if args.quick else 20)
+    if args.warmup_steps is None:
+        args.warmup_steps = 2 if args.quick else 3
+    if args.preprocess_lines is None:
+        args.preprocess_lines = 5000 if args.quick else 10**9
     known = E2E_MODES if args.end_to_end else MODES
     defaults = list(E2E_MODES) if args.end_to_end else GPU_MODES if args.gpu else DEFAULT_MODES
     if args.modes == "gpu" and not args.end_to_end:
@@ -177,14 +193,12 @@ def resolve_args(args):
     unknown = [m for m in modes if m not in known]
     if unknown:
         fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    if args.repeats < 1:
-        fail(f"--repeats must be at least 1, got {args.repeats}")
     if not 0 <= args.warmup_steps < args.steps:
         fail(f"--warmup_steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     if not 0 <= args.profile_steps <= args.steps or (args.profile_steps and args.end_to_end):
         fail(f"--profile_steps must be in [0, --steps] and without --end_to_end, got {args.profile_steps}")
     size = dict(SIZES[args.size])
-    size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v})
+    size.update({k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len)) if v is not None})
     if "flax_fsdp" in modes and size["batch_size"] % args.flax_devices:
         fail(f"--batch_size {size['batch_size']} is not divisible by --flax_devices {args.flax_devices}")
     named = args.modes is not None
@@ -250,6 +264,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if not args.output_dir:
         fail("--output_dir is required")
+    check_counts(args)
     args.gpu = gpu_info()
     modes, size = resolve_args(args)
     out = Path(args.output_dir)
@@ -257,7 +272,8 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/run_benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.end_to_end:
-        args.modes_e2e, args.eval_steps = modes, args.eval_steps or max(args.steps // 4, 1)
+        args.modes_e2e = modes
+        args.eval_steps = args.eval_steps if args.eval_steps is not None else max(args.steps // 4, 1)
         return run_end_to_end(args, out, work, size, command)
 
     from tqdm import tqdm

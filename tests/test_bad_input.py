@@ -729,3 +729,17 @@ def test_a_tokenizer_folder_without_its_files(corpus, tmp_path, tiny_model_dir, 
             f"--tokenizer_name {lacks}",
         ),
     )
+
+
+def test_benchmark_counts_that_are_not_positive(tmp_path):
+    """Refused as parsed, before the corpus and tokenizer work: a negative batch got as far as the batches (an
+    AttributeError after 14 s), and 0 read as "not given" (a full run started)."""
+    out = ["--output_dir", str(tmp_path / "bench")]
+    errors(
+        *[
+            (["benchmarks/run_benchmark.py", "--quick", flag, value, *out], f"{flag} must be a positive integer")
+            for flag, value in (("--batch_size", "-8"), ("--steps", "0"), ("--batch_size", "0"), ("--seq_len", "0"))
+        ],
+        (["benchmarks/run_benchmark.py", "--end_to_end", "--eval_steps", "0", *out], "--eval_steps"),
+    )
+    assert not (tmp_path / "bench").exists()
