@@ -19,7 +19,8 @@ Differences from upstream, all fixes:
   accuracy and loss are computed over masked tokens only, for train and eval, with perplexity, and
   written to train_results.json / eval_results.json. Eval masks are drawn once, so every epoch's
   evaluation scores the same tokens.
-- The config takes the tokenizer's vocabulary size (as upstream) and its pad/bos/eos ids. TFRoberta
+- The config takes the tokenizer's vocabulary size (as upstream; a config of fewer tokens than the tokenizer, made for
+  another, is refused) and its pad/bos/eos ids. TFRoberta
   numbers positions assuming pad id 1 whatever the config says; the walkthrough's tokenizer had [SEP]
   at id 1, so every [SEP] was taken for padding. train_unigram.py now puts <pad> at 1, and a
   tokenizer with another pad id is refused for RoBERTa-family models.
@@ -744,7 +745,7 @@ def set_precision_and_seed(args, strategy_name):
 
 
 def load_tokenizer_and_config(args, config_source):
-    """The tokenizer and the model config, given the tokenizer's vocabulary and special ids; both checked."""
+    """The tokenizer, with a mask token, and the model config as written (fit_config fits it to the tokenizer)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         config = AutoConfig.from_pretrained(config_source)
@@ -755,10 +756,24 @@ def load_tokenizer_and_config(args, config_source):
         )
     if tokenizer.mask_token is None:
         fail(f"tokenizer {args.tokenizer!r} has no mask token, which masked language modelling needs")
+    return tokenizer, config
+
+
+def fit_config(args, config_source, config, tokenizer):
+    """The config given the tokenizer's vocabulary size and special ids, checked against the tokenizer and
+    --max_length."""
     if args.model_name_or_path and config.vocab_size != len(tokenizer):
         fail(
             f"--model_name_or_path {args.model_name_or_path} has a vocabulary of {config.vocab_size} "
             f"but --tokenizer has {len(tokenizer)} tokens; pass the tokenizer the model was trained with"
+        )
+    # A config of fewer tokens was made for another tokenizer: refused, as by the Flax and PyTorch scripts. One of
+    # more, such as the default roberta-base's, is an architecture that takes the tokenizer's vocabulary.
+    if config.vocab_size < len(tokenizer):
+        fail(
+            f"--pretrained_model_config {config_source}: the config's vocab_size ({config.vocab_size}) is smaller "
+            f"than the tokenizer's {len(tokenizer)} tokens; rebuild the config with tokenizers/create_config.py "
+            f"--tokenizer_name {args.tokenizer}"
         )
     # The model's vocabulary and special ids come from the tokenizer.
     config.vocab_size = len(tokenizer)
@@ -782,7 +797,7 @@ def load_tokenizer_and_config(args, config_source):
         positions -= config.pad_token_id + 1
     if positions is not None and args.max_length > positions:
         fail(f"--max_length {args.max_length} is longer than the model's {positions} positions")
-    return tokenizer, config
+    return config
 
 
 def plan_steps(args, num_train_samples, replicas):
@@ -1021,6 +1036,7 @@ def main(argv=None):
     ):
         if records:
             check_tokenizer(flag, path, records, tokenizer)
+    config = fit_config(args, config_source, config, tokenizer)
     batch_size, total_train_steps, warmup_steps, fit_epoch_steps = plan_steps(args, num_train_samples, replicas)
     model, schedule = create_model(args, config, strategy, total_train_steps, warmup_steps)
     logger.info(

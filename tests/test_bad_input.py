@@ -743,3 +743,17 @@ def test_benchmark_counts_that_are_not_positive(tmp_path):
         (["benchmarks/run_benchmark.py", "--end_to_end", "--eval_steps", "0", *out], "--eval_steps"),
     )
     assert not (tmp_path / "bench").exists()
+
+
+def test_a_config_of_fewer_tokens_than_the_tokenizer(corpus, tmp_path, tiny_model_dir, corpus_shards):
+    """A config made for a smaller tokenizer, refused in every training script (TensorFlow's took the tokenizer's
+    size without a word)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
+    smaller = "the config's vocab_size (500) is smaller than the tokenizer's 1000 tokens; rebuild the config"
+    errors(
+        (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "a", "--max_steps", "1", config=small), smaller),
+        (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--config_name", str(small)), smaller),
+    )
