@@ -757,3 +757,24 @@ def test_a_config_of_fewer_tokens_than_the_tokenizer(corpus, tmp_path, tiny_mode
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "a", "--max_steps", "1", config=small), smaller),
         (pytorch(tiny_model_dir, corpus, tmp_path / "b", "--do_train", "--config_name", str(small)), smaller),
     )
+
+
+def test_config_sizes_below_one(tmp_path):
+    """No positions, width, heads or vocabulary: refused where the config is written, naming the override."""
+    out = ["--output_dir", str(tmp_path / "config")]
+    errors(
+        *[
+            (
+                ["tokenizers/create_config.py", "--model_type", model_type, *out, "--config_overrides", override],
+                f"--config_overrides {override}: a model's sizes",
+            )
+            for model_type, override in (
+                ("gpt2", "n_positions=0"),
+                ("roberta", "max_position_embeddings=0"),
+                ("roberta", "num_attention_heads=0"),
+                ("t5", "d_model=-1"),
+                ("bart", "encoder_ffn_dim=0"),
+            )
+        ]
+    )
+    assert not (tmp_path / "config").exists()

@@ -37,6 +37,30 @@ if importlib.util.find_spec("transformers") is None:  # the system's Python, not
 from transformers import CONFIG_MAPPING
 
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
+# The other counts and widths of the five configs: a model with none of one cannot be built or trained.
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "num_attention_heads",
+    "n_positions",
+    "n_ctx",
+    "n_embd",
+    "n_inner",
+    "n_head",
+    "d_model",
+    "d_kv",
+    "d_ff",
+    "num_heads",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)
 REFERENCE = {
     # roberta-base
     "roberta": dict(
@@ -222,17 +246,23 @@ def build_config(model_type, vocab_size=None, tokenizer_name=None, config_overri
                 fail(f"--config_overrides: {item!r} is not key=value (pairs separated by commas, no spaces)")
         try:
             config.update_from_string(config_overrides)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: a key whose default is None (gpt2's n_inner)
             fail(f"--config_overrides: {e}")
     check_values(config, tokens)
     return config
 
 
 def check_values(config, tokens):
-    """Fail on a value no model can train with: no layers, a dropout outside [0, 1), fewer embeddings than tokens."""
+    """Fail on a value no model can train with: no layers, a size below 1, a dropout outside [0, 1), fewer
+    embeddings than tokens."""
     for key, value in config.to_dict().items():
         if key in LAYERS and isinstance(value, int) and value < 1:
             fail(f"{key}={value}: a model needs at least one layer")
+        if key in SIZES and isinstance(value, int) and value < 1:
+            fail(
+                f"--config_overrides {key}={value}: a model's sizes (positions, widths, heads, vocabulary) are at "
+                "least 1"
+            )
         if re.search(r"dropout|_prob$|pdrop", key) and isinstance(value, (int, float)) and not 0 <= value < 1:
             fail(f"{key}={value}: a dropout probability is at least 0 and below 1")
     if tokens and config.vocab_size < tokens:
