@@ -979,7 +979,7 @@ QUIET = {
 
 
 def prepare_training_args(training_args):
-    """Adjust the training arguments for XLA and the collator, and log them with this process's setup."""
+    """Adjust the training arguments for XLA and the collator, and log this process's setup."""
     if is_torch_xla_available() and training_args.optim == "adamw_torch_fused":
         logger.warning("--optim adamw_torch_fused does not run on XLA devices; using adamw_torch")
         training_args.optim = "adamw_torch"
@@ -991,7 +991,6 @@ def prepare_training_args(training_args):
         f"{training_args.world_size}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
         f"16-bits training: {training_args.fp16 or training_args.bf16}"
     )
-    logger.info(f"Training/evaluation parameters {training_args}")
 
 
 def load_model(model_args, config, tokenizer):
@@ -1199,7 +1198,7 @@ def main(argv=None):
     setup_logging(training_args)
     validate_args(model_args, data_args, training_args)
     warn_if_bf16_is_slow(training_args)
-    last_checkpoint = find_checkpoint(training_args)  # its refusals before the arguments' dump
+    last_checkpoint = find_checkpoint(training_args)
     prepare_training_args(training_args)
     lock = lock_output_dir(training_args.output_dir) if training_args.process_index == 0 else None
 
@@ -1210,6 +1209,8 @@ def main(argv=None):
         check_checkpoint_config(last_checkpoint, config)
     max_seq_length = resolve_max_seq_length(data_args, config, tokenizer)
     model = load_model(model_args, config, tokenizer)
+    # After every check that can refuse the input: a refusal's one line is not preceded by 170 lines of arguments.
+    logger.info(f"Training/evaluation parameters {training_args}")
 
     tokenized = preprocess(raw_datasets, data_args, training_args, tokenizer, max_seq_length)
     train_dataset, eval_dataset = select_datasets(tokenized, data_args, training_args, max_seq_length)

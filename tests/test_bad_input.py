@@ -778,3 +778,10 @@ def test_config_sizes_below_one(tmp_path):
         ]
     )
     assert not (tmp_path / "config").exists()
+
+
+def test_pytorch_logs_its_arguments_after_its_checks(corpus, tmp_path, tiny_model_dir, capsys):
+    """A refusal after the arguments are parsed is its one line, not the end of 170 lines of TrainingArguments."""
+    line = refusal(pytorch(tiny_model_dir, corpus, tmp_path / "a", "--do_train", "--model_type", "bert"))
+    assert "--model_type bert, but" in line
+    assert "Training/evaluation parameters" not in capsys.readouterr().out
