@@ -304,13 +304,46 @@ def test_sigterm_to_one_host_stops_both_at_one_step_with_a_checkpoint(request, c
     assert f"Resuming at step {stopped[0][1]}" in logs[0] and len(logged_losses(logs[0])) == 2
 
 
-# `python -c COUNTED script args...`: the script run as __main__ with multihost_utils.process_allgather counted, the
-# count printed at exit.
-COUNTED = """import atexit, runpy, sys
+# `python -c COUNTED script args...`: the script run as __main__, every host collective a process can make counted at
+# the runtime, printed at exit as one JSON line: each call (not made from inside another) of a function of
+# jax.experimental.multihost_utils; each call of the distributed runtime's client (its key-value store and barriers);
+# and each execution of an XLA program with a collective (all-reduce, all-gather, ...) over the processes' devices:
+# jit's C++ fast path is turned off, so that every execution passes through ExecuteReplicated.
+COUNTED = """import atexit, collections, functools, json, re, runpy, sys
+from jax._src import pjit
+from jax._src.interpreters import pxla
+from jax._src.lib import _jax
 from jax.experimental import multihost_utils
-calls, real = [], multihost_utils.process_allgather
-multihost_utils.process_allgather = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
-atexit.register(lambda: print(f"process_allgather calls: {len(calls)}", file=sys.stderr, flush=True))
+counts, depth, programs = collections.Counter(), [0], {}
+def counted(kind, name, f):
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        if not depth[0]:
+            counts[f"{kind}.{name}"] += 1
+        depth[0] += 1
+        try:
+            return f(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+    return call
+for name, f in list(vars(multihost_utils).items()):
+    if callable(f) and getattr(f, "__module__", "") == multihost_utils.__name__ and not name.startswith("_"):
+        setattr(multihost_utils, name, counted("multihost_utils", name, f))
+client = _jax.DistributedRuntimeClient
+for name in [n for n in dir(client) if not n.startswith("_")]:
+    setattr(client, name, counted("client", name, getattr(client, name)))
+COLLECTIVE = re.compile(r"\\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-)")
+pjit._get_fastpath_data = lambda *args, **kwargs: None
+execute = pxla.ExecuteReplicated.__call__
+def executed(self, *args):
+    key = id(self.xla_executable)
+    if key not in programs:
+        text = "".join(module.to_string() for module in self.xla_executable.hlo_modules())
+        programs[key] = bool(COLLECTIVE.search(text))
+    counts["collective programs"] += programs[key]
+    return execute(self, *args)
+pxla.ExecuteReplicated.__call__ = executed
+atexit.register(lambda: print("host collectives: " + json.dumps(counts), file=sys.stderr, flush=True))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -318,8 +351,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_a_multi_process_run_makes_no_host_collective_at_a_step_where_nothing_is_due(request, corpus, tmp_path):
     """Two processes agree on each batch's shapes and on a stop inside the train step (ProcessAgreement): a run of
-    12 steps calls process_allgather as often as one of 4 (at the start, and for the log line and the
-    checkpoint at the end): at no step."""
+    12 steps makes the same host collectives as one of 4 (at the start, and for the log line and the checkpoint at
+    the end), and runs exactly one program with a collective a step more (the train step, gradients and votes in
+    one): at no step does a process wait on the others but inside the step."""
     counts = []
     for steps in ("4", "12"):
         out = tmp_path / f"steps-{steps}"
@@ -327,9 +361,12 @@ def test_a_multi_process_run_makes_no_host_collective_at_a_step_where_nothing_is
         procs = start_two_hosts(["-c", COUNTED, *args, steps, "--report_to", "none"], tmp_path)
         logs = finish(procs)
         assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-        counts.append([int(re.search(r"process_allgather calls: (\d+)", log)[1]) for log in logs])
+        counts.append([json.loads(re.search(r"host collectives: (\{.*\})", log)[1]) for log in logs])
         assert len(logged_losses(logs[0])) == 1 and (out / f"checkpoint-{steps}" / "trainer_state").is_dir()
-    assert counts[0] == counts[1], counts
+    for short, long in zip(*counts):  # each process's counts: 4 steps, 12 steps
+        programs = short.pop("collective programs"), long.pop("collective programs")
+        assert programs[1] - programs[0] == 8 and programs[0] >= 4, programs
+        assert short["multihost_utils.process_allgather"] > 0 and short == long, (short, long)
 
 
 def test_compiler_memory_goes_back_to_the_os_after_each_compilation(monkeypatch):
