@@ -22,6 +22,7 @@ from conftest import (
 )
 from datasets.distributed import split_dataset_by_node
 from test_flax_training import start_two_hosts
+from transformers import AutoTokenizer
 
 MLM = "flax/run_mlm_flax.py"
 
@@ -78,30 +79,41 @@ def test_a_streamed_run_resumes_bit_for_bit(request, corpus, tmp_path, path):
         assert "was written for other data (" in line and "streams [1, 1] -> None" in line, line
 
 
-# Run with a Flax script's arguments, printing each training batch's rows (their token ids, before noise) as a line.
+# Run with a Flax script's arguments (masked LM), printing the rows of each batch a train step takes, as a line: this
+# process's rows of the step's global batch, unmasked (the masked positions given their labels back) and cut to their
+# real tokens: the rows trained on, not those collated ahead of the step.
 ROWS_REPORT = """
 import json, sys
+import numpy as np
 sys.path.insert(0, "tests")
 from conftest import load_script
 
 script = load_script(sys.argv[1], "streamed")
-collate = script.collate_batch
+step = script.timed_step
 
-def recording(collator, examples, seed, rows, num_rows):
-    print("ROWS " + json.dumps(examples["input_ids"]), flush=True)
-    return collate(collator, examples, seed, rows, num_rows)
+def local(array):  # this process's rows (one device a process)
+    [shard] = array.addressable_shards
+    return np.asarray(shard.data)[0]  # the one micro-batch
 
-script.collate_batch = recording
+def recording(train_step, state, batch, *args, **kwargs):
+    ids, real = local(batch["input_ids"]).copy(), local(batch["attention_mask"])
+    labels, positions = local(batch["labels"]), local(batch["masked_positions"])
+    rows = np.arange(len(ids))[:, None].repeat(labels.shape[1], 1)
+    ids[rows[labels != -100], positions[labels != -100]] = labels[labels != -100]
+    print("ROWS " + json.dumps([row[mask == 1].tolist() for row, mask in zip(ids, real) if mask.any()]), flush=True)
+    return step(train_step, state, batch, *args, **kwargs)
+
+script.timed_step = recording
 script.main(sys.argv[2:])
 """
 
 
 def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, corpus, tmp_path):
     """64 distinct lines, one row each (--line_by_line), 8 steps of 8 rows: one process trains on all of them; each of
-    two processes on the 32 of its half of the file, none on the other's (the lines' tokens differ in number, so each
-    step the two pad to one shape).
-    Resumed on two processes at step 8, each goes on in its own share as the uninterrupted run did. (Two processes
-    collate batches ahead of the step, ProcessAgreement's look-ahead: only the first 4 rows a step count.)"""
+    two processes, 12 steps of 4 rows, on the 32 of its half of the file (then 16 of them again, the second pass),
+    none on the other's (the lines' tokens differ in number, so each step the two pad to one shape): the rows each
+    train step takes, not those collated ahead of it (ProcessAgreement's look-ahead).
+    Resumed on two processes at step 8, each goes on in its own share as the uninterrupted run did."""
     text = (corpus / "train_slice.txt").read_text()  # ASCII; lines of 40 bytes: each process's half of them is 32
     lines = list(dict.fromkeys(line[:40] for line in text.splitlines() if len(line) >= 40))
     (tmp_path / "lines.txt").write_text("".join(line + "\n" for line in lines[:64]))
@@ -120,16 +132,17 @@ def test_two_hosts_train_on_disjoint_shares_that_make_the_whole_stream(request, 
         return [rows(log) for log in logs]
 
     one = rows(check_ok(run(["-c", ROWS_REPORT, *args])).stdout)
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue("tiny_model_dir"))
+    assert sorted(one) == sorted(tuple(tokenizer(line)["input_ids"]) for line in lines[:64])  # each line, once
     args[args.index("--per_device_train_batch_size") + 1] = "4"
     args[args.index("--max_steps") + 1] = "12"
-    first, second = (share[:48] for share in on_two_hosts(tmp_path / "two"))
-    assert len(one) == 64 and len(set(one)) == 64
-    assert len(first) == len(second) == 48 and not set(first[:32]) & set(second[:32])
-    assert sorted(first[:32] + second[:32]) == sorted(one)
+    first, second = on_two_hosts(tmp_path / "two")
+    assert len(first) == len(second) == 48 and not set(first) & set(second)
+    assert sorted(first[:32] + second[:32]) == sorted(one) and set(first[32:]) <= set(first[:32])
     assert len({len(row) for row in first}) > 1
     shutil.copytree(tmp_path / "two" / "checkpoint-8", tmp_path / "resumed" / "checkpoint-8")
     resumed = on_two_hosts(tmp_path / "resumed", "--resume_from_checkpoint")
-    assert [share[:16] for share in resumed] == [first[32:], second[32:]]
+    assert resumed == [first[32:], second[32:]]
 
 
 @pytest.fixture(scope="module")
