@@ -23,6 +23,30 @@ def fail(message):
     sys.exit(f"{os.path.basename(__file__)}: error: {message}")
 
 
+# Where a local folder has no tokenizer.json and tokenizer_config.json names no class known here: any of these is a
+# vocabulary some tokenizer class reads.
+VOCABULARY_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def missing_tokenizer_files(path):
+    """The files a local tokenizer folder lacks, [] where it is whole: tokenizer.json, or every vocabulary file of the
+    class its tokenizer_config.json names (transformers' slow classes open a missing one as None: a TypeError)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return []
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class") or ""
+        needed = list(tokenizer_class_from_name(name.removesuffix("Fast")).vocab_files_names.values())
+    except Exception:  # noqa: BLE001 - no tokenizer_config.json, or a class this install cannot name
+        if any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+            return []
+        return ["tokenizer.json", f"a vocabulary ({', '.join(VOCABULARY_FILES)})"]
+    absent = [name for name in needed if not os.path.isfile(os.path.join(path, name))]
+    return ["tokenizer.json", *absent] if absent or not needed else []
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.error = fail  # a bad or missing flag: one line, not a usage block
@@ -44,6 +68,12 @@ def main(argv=None):
         fail(
             f"--model_dir {args.model_dir} holds no TensorFlow or PyTorch weights ({', '.join(WEIGHTS)}); for a Flax "
             "run's output, convert it with flax/export_to_pytorch.py first"
+        )
+    missing = missing_tokenizer_files(args.model_dir)
+    if missing:
+        fail(
+            f"--model_dir {args.model_dir} holds no complete tokenizer: it lacks {', '.join(missing)}; copy in the "
+            "tokenizer the model was trained with (tensorflow/run_mlm.py saves it beside the model)"
         )
 
     from transformers import AutoTokenizer, TFAutoModelForMaskedLM, pipeline

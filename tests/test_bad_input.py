@@ -680,7 +680,10 @@ def test_hub_names_with_the_hub_unreachable_in_the_helper_scripts(monkeypatch, t
     )
 
 
-def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax):
+def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax, tiny_model_dir, tmp_path):
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    (tmp_path / "model.safetensors").write_text("weights, but no vocabulary beside them")
     errors(
         (
             ["tensorflow/fill_mask.py", "--model_dir", str(trained_flax), "the <mask> fell"],
@@ -690,6 +693,10 @@ def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax):
         (
             ["tensorflow/fill_mask.py", "--model_dir", "out/nowhere", "the <mask> fell"],
             "--model_dir out/nowhere does not exist (relative paths are read from",
+        ),
+        (
+            ["tensorflow/fill_mask.py", "--model_dir", str(tmp_path), "the <mask> fell"],
+            f"--model_dir {tmp_path} holds no complete tokenizer: it lacks tokenizer.json, vocab.json, merges.txt",
         ),
     )
 
