@@ -9,15 +9,19 @@
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
 #   bash run.sh setup-tpu  only install libtpu into .libtpu, for flax/train_compile.py (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
 #   bash run.sh setup-gpu  only install jax's CUDA plugin into .libgpu, for flax/train_compile.py --topology h100 (PYTHONPATH=.libgpu)
+#   bash run.sh test-current  the Flax tests that carry the guarantees, on today's releases (requirements-current.txt
+#                       in .venv-current, on Python 3.12 or newer from pyenv or the PATH; libtpu into .libtpu-current);
+#                       where this machine has no Python 3.12, one line says so and nothing runs
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
 VENV_XLA=${VENV_XLA:-.venv-xla}
 PY="$VENV/bin/python"
 
-# make_venv DIR REQUIREMENTS MINUTES GB: (re)install only when the requirements file changed, and only with GB free.
+# make_venv DIR REQUIREMENTS MINUTES GB [PYTHON]: (re)install only when the requirements file changed, and only with
+# GB free.
 make_venv() {
-  local venv=$1 reqs=$2 want have free
+  local venv=$1 reqs=$2 python=${5:-python3} want have free
   want=$(sha256sum "$reqs" | cut -d' ' -f1)
   have=$(cat "$venv/.requirements.sha256" 2>/dev/null || true)
   if [ "$want" != "$have" ]; then
@@ -26,7 +30,7 @@ make_venv() {
       echo "run.sh: installing $reqs into $venv needs about $4 GB of free disk; $free GB left here: free some space" >&2
       exit 1
     fi
-    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
     echo "Installing $reqs into $venv (about $3 minutes the first time) ..."
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$reqs"
     "$venv/bin/python" -m pip check
@@ -49,6 +53,44 @@ install_into() {
   fi
 }
 setup_tpu() { install_into .libtpu flax/requirements-tpu.txt "about 1 minute the first time, 0.7 GB"; }
+# Today's releases need Python 3.12 or newer (jax 0.11 and later): pyenv's newest, else one on the PATH.
+python_current() {
+  local root
+  root=$(pyenv root 2> /dev/null || echo ~/.pyenv)
+  for candidate in $(ls -d "$root"/versions/3.1[2-9]*/bin/python3 2> /dev/null | sort -V -r) python3.13 python3.12; do
+    command -v "$candidate" > /dev/null && { echo "$candidate"; return; }
+  done
+}
+VENV_CURRENT=${VENV_CURRENT:-.venv-current}
+# The Flax tests that carry the guarantees: every script trains, evaluates and reloads; kill -9 then a resume is
+# bitwise on two devices with accumulation, and the model exports; --fsdp, --streaming, --dtype bfloat16; the
+# objective blocks; a TPU compile with the libtpu of jax's [tpu] extra; run_bert_flax.py and dump_noised_examples.py.
+CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py tests/test_run_bert_flax.py
+  tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
+  tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
+  tests/test_run_mlm_flax.py::test_trained_model_beats_untrained_and_checkpoint_reloads
+  tests/test_run_clm_flax.py::test_trains_on_two_devices_loss_falls_and_metrics_written
+  tests/test_run_clm_flax.py::test_checkpoint_reloads_to_identical_eval
+  tests/test_run_t5_mlm_flax.py::test_trains_on_two_devices_and_reloads
+  tests/test_run_t5_mlm_flax.py::test_dump_noised_examples
+  tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads
+  tests/test_flax_training.py::test_gradient_accumulation_equals_the_larger_batch
+  tests/test_flax_resume.py::test_fsdp_on_eight_devices_trains_as_one_and_resumes_on_fewer
+  tests/test_streaming.py::test_a_streamed_run_resumes_bit_for_bit
+  tests/test_bf16.py::test_bf16_training_follows_f32_and_saves_f32_weights
+  tests/test_compile_topology.py::test_the_steps_compile_for_a_tpu_slice)
+test_current() {
+  local python
+  python=$(python_current)
+  if [ -z "$python" ]; then
+    echo "run.sh: no Python 3.12 or newer on this machine (pyenv install 3.12): the tests on today's releases are skipped"
+    return 0
+  fi
+  make_venv "$VENV_CURRENT" requirements-current.txt 2 3 "$python"
+  PY="$VENV_CURRENT/bin/python" install_into .libtpu-current flax/requirements-tpu-current.txt "about 1 minute, 0.7 GB"
+  SUITE_LIBTPU=.libtpu-current/libtpu/libtpu.so "$VENV_CURRENT/bin/python" -m pytest "${CURRENT_TESTS[@]}" \
+    -n auto --dist loadfile --no-loadscope-reorder "$@"
+}
 setup_gpu() { install_into .libgpu flax/requirements-gpu.txt "about 1 minute the first time, 0.4 GB"; }
 
 main_job() {
@@ -77,5 +119,7 @@ case "${1:-}" in
   # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once), longest first
   # (tests/conftest.py).
   test) shift; setup; setup_xla; setup_tpu; setup_gpu; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
-  *) echo "usage: bash run.sh {main|test|setup|setup-xla|setup-tpu|setup-gpu}" >&2; exit 2 ;;
+  # The export in tests/test_supported_stacks.py reads the pins' .venv (its torch): set up here first.
+  test-current) shift; setup; test_current "$@" ;;
+  *) echo "usage: bash run.sh {main|test|test-current|setup|setup-xla|setup-tpu|setup-gpu}" >&2; exit 2 ;;
 esac

@@ -43,7 +43,7 @@ import difflib
 import fcntl
 import functools
 import hashlib
-import importlib.util
+import importlib.metadata
 import inspect
 import io
 import itertools
@@ -67,11 +67,56 @@ from typing import Any
 # start). USE_TF=1 or USE_TORCH=1 in the environment still overrides.
 os.environ.setdefault("USE_TF", "0")
 os.environ.setdefault("USE_TORCH", "0")
-if importlib.util.find_spec("transformers") is None:  # the system's Python, not .venv's
-    sys.exit(
-        f"{os.path.basename(__file__)}: error: transformers is not installed for {sys.executable}: "
-        "bash run.sh setup, then source .venv/bin/activate"
-    )
+# The supported range, from requirements.txt's pins (Python 3.11) to requirements-current.txt's (Python 3.12+): a
+# package missing or outside it is one line here, before an import fails deep inside transformers or jax.
+STACK = {
+    "jax": "0.9.2",
+    "jaxlib": "0.9.2",
+    "flax": "0.12.6",
+    "optax": "0.2.8",
+    "orbax-checkpoint": "0.12.8",
+    "transformers": "4.57.6",
+    "datasets": "5.0.1",
+    "tokenizers": "0.22.2",
+    "safetensors": "0.4",
+    "tqdm": "4.0",
+}
+
+
+def check_stack(script, stack):
+    """Exit with one line where this Python lacks a package of `stack` ({name: the oldest supported version}), has
+    one older, or has transformers 5 or later (no Flax models); each line ends in the install command."""
+    versions = {}
+    for name in stack:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    current = sys.version_info >= (3, 12)  # jax 0.11 and later need Python 3.12
+    if missing := [name for name in stack if name not in versions]:
+        sys.exit(
+            f"{script}: error: {', '.join(missing)} not installed for {sys.executable}: "
+            + (
+                "pip install -r requirements-current.txt"
+                if current
+                else "bash run.sh setup, then source .venv/bin/activate"
+            )
+        )
+    jax = "jax==0.12.1 jaxlib==0.12.1 flax==0.12.12" if current else "jax==0.9.2 jaxlib==0.9.2 flax==0.12.6"
+    for name, oldest in stack.items():
+        if tuple(int(part) for part in re.findall(r"\d+", versions[name])[:3]) < tuple(map(int, oldest.split("."))):
+            sys.exit(
+                f"{script}: error: {name} {versions[name]} is older than the {oldest} this script needs: pip install "
+                + (jax if name in ("jax", "jaxlib", "flax") else f"'{name}>={oldest}'")
+            )
+    if int(versions["transformers"].split(".")[0]) >= 5:
+        sys.exit(
+            f"{script}: error: transformers {versions['transformers']} has no Flax models (5.0 removed them); "
+            "this script needs 4.57, the last release with them: pip install 'transformers==4.57.6'"
+        )
+
+
+check_stack(os.path.basename(__file__), STACK)
+
+
 if (
     not sys.stderr.isatty()
 ):  # a captured log: a progress line every 30 s, not one every 0.1 s joined by carriage returns

@@ -9,11 +9,14 @@ the scripts as MaxText's train_compile.py is beside its train.py; any of the fou
       --output_dir unused --config_name out/model --tokenizer_name out/model --max_seq_length 128 --do_train
 
 Slices (libtpu: bash run.sh setup-tpu): v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1,
-v5e:2x4, v6e:2x2. A v4 or v5p chip is one device (megacore), as it runs there: the batch per device is per chip.
+v5e:2x4, v6e:2x2, tpu7x:2x2x1 (Ironwood: two devices a chip). A v4 or v5p chip is one device (megacore), as it
+runs there: the batch per device is per chip.
 GPUs (jax's CUDA plugin: bash run.sh setup-gpu, then PYTHONPATH=.libgpu): h100 or a100, h100:8 for eight on one host.
 """
 
 import argparse
+import contextlib
+import importlib.metadata
 import importlib.util
 import logging
 import math
@@ -23,6 +26,55 @@ import sys
 import time
 from dataclasses import replace
 
+# The supported range, from requirements.txt's pins (Python 3.11) to requirements-current.txt's (Python 3.12+): a
+# package missing or outside it is one line here, before an import fails deep inside transformers or jax.
+STACK = {
+    "jax": "0.9.2",
+    "jaxlib": "0.9.2",
+    "flax": "0.12.6",
+    "optax": "0.2.8",
+    "orbax-checkpoint": "0.12.8",
+    "transformers": "4.57.6",
+    "datasets": "5.0.1",
+    "tokenizers": "0.22.2",
+    "safetensors": "0.4",
+    "tqdm": "4.0",
+}
+
+
+def check_stack(script, stack):
+    """Exit with one line where this Python lacks a package of `stack` ({name: the oldest supported version}), has
+    one older, or has transformers 5 or later (no Flax models); each line ends in the install command."""
+    versions = {}
+    for name in stack:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    current = sys.version_info >= (3, 12)  # jax 0.11 and later need Python 3.12
+    if missing := [name for name in stack if name not in versions]:
+        sys.exit(
+            f"{script}: error: {', '.join(missing)} not installed for {sys.executable}: "
+            + (
+                "pip install -r requirements-current.txt"
+                if current
+                else "bash run.sh setup, then source .venv/bin/activate"
+            )
+        )
+    jax = "jax==0.12.1 jaxlib==0.12.1 flax==0.12.12" if current else "jax==0.9.2 jaxlib==0.9.2 flax==0.12.6"
+    for name, oldest in stack.items():
+        if tuple(int(part) for part in re.findall(r"\d+", versions[name])[:3]) < tuple(map(int, oldest.split("."))):
+            sys.exit(
+                f"{script}: error: {name} {versions[name]} is older than the {oldest} this script needs: pip install "
+                + (jax if name in ("jax", "jaxlib", "flax") else f"'{name}>={oldest}'")
+            )
+    if int(versions["transformers"].split(".")[0]) >= 5:
+        sys.exit(
+            f"{script}: error: transformers {versions['transformers']} has no Flax models (5.0 removed them); "
+            "this script needs 4.57, the last release with them: pip install 'transformers==4.57.6'"
+        )
+
+
+check_stack(os.path.basename(__file__), STACK)
+
 import jax
 import numpy as np
 from jax.experimental import topologies
@@ -30,9 +82,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 logger = logging.getLogger("train_compile")
 
-# HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e),
-# by the device_kind libtpu reports; a chip's devices (two v2 or v3 cores) share it.
-TPU_HBM_GIB = {"TPU v2": 16, "TPU v3": 32, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+# HBM per chip in GiB, as Google Cloud's TPU pages publish it (cloud.google.com/tpu/docs: v2, v3, v4, v5e, v5p, v6e,
+# 7x), by the device_kind libtpu reports; a chip's devices (two v2, v3 or 7x cores) share it.
+TPU_HBM_GIB = {
+    "TPU v2": 16,
+    "TPU v3": 32,
+    "TPU v4": 32,
+    "TPU v5 lite": 16,
+    "TPU v5": 95,
+    "TPU v6 lite": 32,
+    "TPU7x": 192,
+}
 # The GPUs XLA's GPU compiler is given as targets, from NVIDIA's data sheets (SMs, FP32 lanes an SM, boost clock GHz,
 # memory GiB, bandwidth TB/s, L2 MiB) and the CUDA C++ Programming Guide's table of compute capabilities (shared
 # memory KiB an SM, the capability).
@@ -40,7 +100,9 @@ GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", 132, 128, 1.98, 80, 3.35, 50, 228, 9, 0),
     "a100": ("NVIDIA A100-SXM4-80GB", 108, 64, 1.41, 80, 2.039, 40, 164, 8, 0),
 }
-SLICES = "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v5e:2x4, v6e:2x2"
+SLICES = (
+    "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v6e:2x2, tpu7x:2x2x1"
+)
 
 
 def fail(message):
@@ -58,12 +120,14 @@ def topology_devices(name):
     gpu, _, count = name.lower().partition(":")
     if gpu in GPUS:
         return gpu_devices(gpu, count or "1")
-    if not re.fullmatch(r"v\d+[a-z]*(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
+    if not re.fullmatch(r"(v\d+[a-z]*|tpu\d+x)(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
         fail(f"--topology {name} is neither a TPU slice nor a GPU this tool knows; {SLICES}, or GPUs as h100[:COUNT]")
     if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
+        # the libtpu of jax's [tpu] extra: the compiler this jax was released with
+        libtpu = next(r.split(";")[0] for r in importlib.metadata.requires("jax") if r.startswith("libtpu"))
         fail(
-            "--topology needs libtpu, the TPU compiler (no TPU needed): pip install 'libtpu==0.0.37.*', or "
-            "bash run.sh setup-tpu and TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so"
+            f"--topology needs libtpu, the TPU compiler (no TPU needed): pip install '{libtpu}', or bash run.sh "
+            "setup-tpu and TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so (.libtpu-current on requirements-current.txt)"
         )
     quiet = dict(TPU_SKIP_MDS_QUERY="1", TPU_ACCELERATOR_TYPE="v3-8", TPU_WORKER_HOSTNAMES="localhost")
     quiet["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU is opened: compiling in several processes at once is safe
@@ -82,10 +146,11 @@ def topology_devices(name):
 
 def gpu_devices(gpu, count):
     """`count` GPUs of one host, compile-only, from a target description written from GPUS' figures."""
-    if not (importlib.util.find_spec("jax_plugins") and importlib.util.find_spec("jax_plugins.xla_cuda12")):
+    plugins = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    if not (importlib.util.find_spec("jax_plugins") and any(map(importlib.util.find_spec, plugins))):
         fail(
-            f"--topology {gpu} needs jax's CUDA plugin (no GPU or CUDA needed): pip install "
-            "jax-cuda12-plugin==0.9.2 jax-cuda12-pjrt==0.9.2, or bash run.sh setup-gpu and PYTHONPATH=.libgpu"
+            f"--topology {gpu} needs jax's CUDA plugin (no GPU or CUDA needed): pip install jax-cuda12-plugin=="
+            f"{jax.__version__} jax-cuda12-pjrt=={jax.__version__}, or bash run.sh setup-gpu and PYTHONPATH=.libgpu"
         )
     if not count.isdigit() or int(count) < 1:
         fail(f"--topology {gpu}:{count}: name GPUs as {gpu} or {gpu}:COUNT, such as {gpu}:8")

@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -39,7 +40,10 @@ BENCHMARK_BATCH = ("--batch_size", "16", "--seq_len", "32")
 # Zen 1, a tiny MLM run of 60 steps took 25 s of CPU in place of 33), and with XLA:CPU's older fusion emitters (on an
 # Intel Xeon, family 6 model 167, a tiny MLM train step compiled in 1.1-1.3 s in place of 1.6-2.0): the same programs,
 # less optimised machine code. A flag already in XLA_FLAGS (such as --xla_cpu_max_isa=AVX2, or another level) is kept.
-SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# jaxlib 0.11 and later have only the new emitters, and stop at the start on a flag they do not know.
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+if tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11):
+    SUITE_XLA_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)
 for flag in SUITE_XLA_FLAGS:
     if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()

@@ -14,7 +14,9 @@ import pytest
 from conftest import ROOT, check_ok, error_line, finish, flax_args, load_script, renamed_copy, run, script_env, start
 
 NO_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}  # the suite's (conftest.py) holds CPU programs only
-TPU = {"TPU_LIBRARY_PATH": os.path.join(ROOT, ".libtpu", "libtpu", "libtpu.so"), **NO_CACHE}
+# The libtpu of jax's [tpu] extra: .libtpu's for the pins, another for today's releases (run.sh test-current).
+LIBTPU = os.path.join(ROOT, os.environ.get("SUITE_LIBTPU", os.path.join(".libtpu", "libtpu", "libtpu.so")))
+TPU = {"TPU_LIBRARY_PATH": LIBTPU, **NO_CACHE}
 GPU = {"PYTHONPATH": os.path.join(ROOT, ".libgpu"), **NO_CACHE}
 MLM, TOOL = "flax/run_mlm_flax.py", "flax/train_compile.py"
 
