@@ -640,6 +640,8 @@ def train(state, train_step, run, progress):
     """Train `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
     plan, args = run.plan, run.args
+    first_save = min(plan.total_steps, (progress.global_step // args.save_steps + 1) * args.save_steps)
+    check_free_space(state, progress, run, os.path.join(args.output_dir, f"checkpoint-{first_save}"))
     loop = Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
     PROCESS.training = True
@@ -850,6 +852,7 @@ def validate_args(model_args, data_args, training_args):
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
         (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
         (kind not in (None, *MODEL_TYPES), f"--model_type {kind!r}: choose one of {', '.join(MODEL_TYPES)}"),
+        (args.heartbeat_timeout_seconds < 1, "--heartbeat_timeout_seconds: at least 1 (a lost process's grace)"),
     ):
         if refused:
             fail(message)
@@ -862,6 +865,12 @@ def validate_args(model_args, data_args, training_args):
     ):
         if unused := [flag for flag in given if flag in names]:
             logger.warning(f"{', '.join(unused)}: {why}")
+    tokenizer_flag = "tokenizer_name" if model_args.tokenizer_name else "model_name_or_path"
+    if missing := missing_tokenizer_files(getattr(model_args, tokenizer_flag) or ""):
+        fail(
+            f"--{tokenizer_flag} {getattr(model_args, tokenizer_flag)} holds no complete tokenizer: it lacks "
+            f"{', '.join(missing)}; write one with tokenizers/train_tokenizer.py, or pass the folder that holds one"
+        )
     for flag in ("model_name_or_path", "config_name", "tokenizer_name", "dataset_name"):
         path = getattr(model_args, flag, None) or getattr(data_args, flag, None)
         # Not a local path: a hub id (HF_HUB_OFFLINE=1: one missing from the local cache fails where it is loaded).
@@ -872,10 +881,41 @@ def validate_args(model_args, data_args, training_args):
                 "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
             )
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
+            if os.path.isdir(os.path.join(path, "trainer_state")):
+                fail(
+                    f"--{flag} {path} is a training checkpoint, not a model: continue its run with --output_dir "
+                    f"{os.path.dirname(os.path.abspath(path))} --resume_from_checkpoint, or start from the model that "
+                    "run saved in that folder"
+                )
             if not os.path.isfile(os.path.join(path, "config.json")):
                 fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
             if flag == "model_name_or_path" and not any(name.startswith(WEIGHTS) for name in os.listdir(path)):
                 fail(f"--{flag} {path} holds no {' or '.join(WEIGHTS)}: for a new model, use --config_name")
+
+
+# Where a local folder has no tokenizer.json and tokenizer_config.json names no class known here: any of these is a
+# vocabulary some tokenizer class reads.
+VOCABULARY_FILES = ("vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model")
+
+
+def missing_tokenizer_files(path):
+    """The files a local tokenizer folder lacks, [] where it is whole (or not a folder): tokenizer.json, or every
+    vocabulary file of the class its tokenizer_config.json names (transformers' slow classes open a missing one as
+    None: a TypeError)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return []
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class") or ""
+        needed = list(tokenizer_class_from_name(name.removesuffix("Fast")).vocab_files_names.values())
+    except Exception:  # noqa: BLE001 - no tokenizer_config.json, or a class this install cannot name
+        if any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+            return []
+        return ["tokenizer.json", f"a vocabulary ({', '.join(VOCABULARY_FILES)})"]
+    absent = [name for name in needed if not os.path.isfile(os.path.join(path, name))]
+    return ["tokenizer.json", *absent] if absent or not needed else []
 
 
 def check_data_file(flag, path, whole=True):
@@ -1282,7 +1322,10 @@ def stream_rows(run, progress):
                 fail(f"the training stream has {start['rows']} rows, fewer than this process's {need} of one batch")
             limit = run.data["train_rows"]
             short = f", fewer than --max_train_samples {limit}" if limit and start["rows"] * processes < limit else ""
-            logger.info(f"pass {start['pass'] + 1} over the training stream ended after {start['rows']} rows{short}")
+            logger.warning(
+                f"pass {start['pass'] + 1} over the training stream ended after {start['rows']} rows{short}; "
+                f"--max_steps {args.max_steps} goes on with pass {start['pass'] + 2}: the same rows in a new order"
+            )
             examples, ids = [], []
             continue
         for taken in range(taken, len(window)):
@@ -1539,6 +1582,8 @@ def plan_training(training_args, dataset, max_seq_length):
     batch = f"{args.per_device_train_batch_size} per device x {devices} devices x {accumulation} accumulation steps"
     rows = (args.per_device_train_batch_size * devices * accumulation, args.per_device_eval_batch_size * devices)
     plan = TrainingPlan(make_mesh(args.fsdp), devices, jax.local_device_count(), jax.process_index(), *rows)
+    if args.fsdp and plan.mesh.shape["fsdp"] == 1:
+        logger.warning(f"--fsdp {args.fsdp} over one device: nothing to shard, each device holds the whole state")
     for split, flag in (("train", "--do_train"), ("validation", "--do_eval")):
         if getattr(args, flag[2:]) and split not in dataset:
             fail(f"{flag} needs a {split} split and the data has none; give --{split}_file")
@@ -1953,15 +1998,21 @@ def fetch_metrics(loop, progress):
         metrics = {**objective_means(sums), **step_metrics}
         loss, norm = metrics.get("trained_loss", metrics["loss"]), metrics["grad_norm"]
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            stop_diverged(step, f"the training loss is {loss} (gradient norm {norm})", progress)
+            stop_diverged(step, f"the training loss is {loss} (gradient norm {norm})", progress, loop.first_step)
         progress.log_window.append(sums)
         progress.loss_sum += loss
     loop.pending.clear()
     return metrics
 
 
-def stop_diverged(step, what, progress):
+def stop_diverged(step, what, progress, first_step=0):
     last = progress.last_checkpoint and f"the last good checkpoint is {progress.last_checkpoint}"
+    if first_step and step == first_step + 1:  # a resumed run's first step
+        fail(
+            f"step {step}: {what} at the first step after resuming from {progress.last_checkpoint}; nothing was "
+            "saved. That checkpoint matched its digest, so it holds the state as it was saved: resume from an "
+            "earlier checkpoint-N with --resume_from_checkpoint PATH, or start afresh with --overwrite_output_dir"
+        )
     fail(
         f"step {step}: {what}; training stopped and nothing from this step on was saved; "
         f"{last or 'no checkpoint was written'}. Lower --learning_rate or raise --warmup_steps, "
@@ -2139,12 +2190,18 @@ def check_savable(state, progress, run, path):
         run.checkpoints.delete(progress.global_step)
     if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(state.params)):
         stop_diverged(progress.global_step, "the parameters are no longer finite", progress)
+    check_free_space(state, progress, run, path)
+
+
+def check_free_space(state, progress, run, path):
+    """Stops where the disk lacks room for checkpoint `path` and the model's weights, before training and before
+    each save (Orbax's writer threads do not stop on a full disk)."""
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state, state.params["model"])))
     if (free := shutil.disk_usage(run.args.output_dir).free) < 1.1 * needed + (1 << 20):
         fail(
             f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
-            f"free; {last_intact(progress)}. Free some space (or use --save_total_limit), then resume with "
-            "--resume_from_checkpoint"
+            f"free; {last_intact(progress)}. Free some space (or use --save_total_limit), then "
+            + ("resume with --resume_from_checkpoint" if progress.last_checkpoint else "run again")
         )
 
 
@@ -2154,8 +2211,47 @@ def write_checkpoint(state, progress, run):
     trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
     trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
     arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    trainer_state["digest"] = {"state": state_digest(arrays), "trainer_state": json_digest(trainer_state)}
     save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
     run.checkpoints.save(progress.global_step, args=save, force=True)
+
+
+def state_digest(arrays):
+    """{path: 16 hex digits} for every array of the train state: two sums of its bits times odd weights of their
+    positions, modulo 2**32 (exact, so the same on any mesh and process count), computed where the arrays are. Any
+    one flipped bit changes both; a file changed after its save is found on resume."""
+    leaves = jax.tree_util.tree_flatten_with_path(arrays)[0]
+    sums = np.asarray(bit_sums([leaf for _, leaf in leaves]).addressable_data(0))
+    return {jax.tree_util.keystr(key): f"{a:08x}{b:08x}" for (key, _), (a, b) in zip(leaves, sums.tolist())}
+
+
+@jax.jit
+def bit_sums(leaves):
+    def sums(x):
+        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32).ravel()
+        position = jnp.arange(bits.size, dtype=jnp.uint32)
+        weights = [2 * position * jnp.uint32(weight) + 1 for weight in (0x9E3779B1, 0x85EBCA77)]
+        return jnp.stack([jnp.sum(bits * weight) for weight in weights])
+
+    return jnp.stack([sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+
+
+def json_digest(trainer_state):
+    """sha256 of the trainer state (the data position, progress, settings), its digest left out."""
+    text = json.dumps({k: v for k, v in trainer_state.items() if k != "digest"}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_digest(restored):
+    """ValueError naming the first part of a restored checkpoint that differs from the digest written with it."""
+    saved = restored["trainer_state"].get("digest")
+    if saved is None:
+        raise ValueError("it holds no digest to check it against (written by an older copy of this script?)")
+    if json_digest(restored["trainer_state"]) != saved["trainer_state"]:
+        raise ValueError("trainer_state differs from the digest written with it: the file changed after the save")
+    for name, digest in state_digest(restored["state"]).items():
+        if saved["state"].get(name) != digest:
+            raise ValueError(f"state{name} differs from the digest written with it: the file changed after the save")
 
 
 def export_model(params, run):
@@ -2253,6 +2349,7 @@ def read_checkpoint(path, abstract_state):
             restored = manager.restore(step, args=restore)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds on damaged files
         raise ValueError(f"{type(e).__name__}: {first_line(e)}") from None
+    check_digest(restored)
     return abstract_state.replace(**restored["state"]), restored["trainer_state"]
 
 

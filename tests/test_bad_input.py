@@ -124,6 +124,10 @@ def test_unknown_flags_bad_values_and_argument_files(request, corpus, tmp_path):
         ),
         (["tensorflow/run_mlm.py", *out, "--num_epochs", "x"], "--num_epochs"),
         (["tensorflow/run_mlm.py", *out, "--max_steps", "0"], "--max_steps must be a positive integer"),
+        (
+            mlm(request, corpus, tmp_path / "h", "--heartbeat_timeout_seconds", "0"),
+            "--heartbeat_timeout_seconds: at least 1",
+        ),
     )
 
 
@@ -322,6 +326,23 @@ def test_disk_full_while_checkpointing(request, corpus, tmp_path):
         assert (disk / "out" / "checkpoint-2" / "trainer_state").is_dir() and not list(
             (disk / "out").glob("checkpoint-4*")
         )
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(request, corpus, tmp_path):
+    """A 2 MB disk cannot hold the tiny model's checkpoint (2.6 MB with its from_pretrained copy): one line before
+    the first step, not at the first save; --fsdp over one device warns that it shards nothing."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)], check=True)
+    try:
+        args = flax_args(MLM, request, corpus, disk / "out", "--do_train", "--max_steps", "20", "--save_steps", "10")
+        result = run([*args, "--report_to", "none", "--fsdp", "full_shard"])
+        line = error_line(result, "run_mlm_flax.py")
+        assert f"cannot write {disk / 'out' / 'checkpoint-10'}: it needs about" in line and "run again" in line
+        assert "Step 1/" not in result.stdout + result.stderr and not list((disk / "out").glob("checkpoint-*"))
+        assert "--fsdp full_shard over one device: nothing to shard" in result.stderr
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
@@ -627,6 +648,9 @@ def test_a_model_type_alone_names_the_default_sizes(caplog, tiny_model_dir):
 
 def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, tiny_model_dir, corpus_shards):
     no_config = str(files / "no_config")
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    (checkpoint / "trainer_state").mkdir(parents=True)
+    shutil.copy(tiny_model_dir / "config.json", checkpoint)
     bert = mlm(request, corpus, tmp_path / "f")
     bert[bert.index("--model_type") + 1] = "bert"
     errors(
@@ -654,6 +678,11 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
                 f"--model_name_or_path {tiny_model_dir} holds no flax_model.msgpack or pytorch_model.bin "
                 "or model.safetensors"
             ),
+        ),
+        (  # a run's checkpoint holds Orbax's train state, not a model: it is resumed
+            mlm(request, corpus, tmp_path / "k", "--model_name_or_path", str(checkpoint)),
+            f"--model_name_or_path {checkpoint} is a training checkpoint, not a model: continue its run with "
+            f"--output_dir {checkpoint.parent} --resume_from_checkpoint",
         ),
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
         (
@@ -701,7 +730,7 @@ def test_fill_mask_on_a_folder_without_tf_weights_or_no_folder(trained_flax, tin
     )
 
 
-def test_a_tokenizer_folder_without_its_files(corpus, tmp_path, tiny_model_dir, corpus_shards):
+def test_a_tokenizer_folder_without_its_files(request, corpus, tmp_path, tiny_model_dir, corpus_shards):
     """A folder with the tokenizer's settings (tokenizer_config.json) and a config, but neither tokenizer.json nor the
     vocabulary its class reads: one line naming the files, in every script that takes a tokenizer folder (transformers
     raised a TypeError on a None path)."""
@@ -714,7 +743,10 @@ def test_a_tokenizer_folder_without_its_files(corpus, tmp_path, tiny_model_dir, 
     torch[torch.index("--tokenizer_name") + 1] = str(half)
     tf = tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "b")
     tf[tf.index("--tokenizer") + 1] = str(half)
+    flax = mlm(request, corpus, tmp_path / "e")
+    flax[flax.index("--tokenizer_name") + 1] = str(half)
     errors(
+        (flax, f"--tokenizer_name {lacks}", "tokenizers/train_tokenizer.py"),
         (torch, f"--tokenizer_name {lacks}", "tokenizers/train_tokenizer.py"),
         (
             [

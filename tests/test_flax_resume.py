@@ -12,6 +12,7 @@ from conftest import (
     fake_devices,
     flax_args,
     kill_after_first_checkpoint,
+    load_script,
     losses_by_step,
     refusal,
     run,
@@ -169,10 +170,15 @@ def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
         shutil.copytree(full_dir / f"checkpoint-{step}", damaged / f"checkpoint-{step}")
     line = bad("--resume_from_checkpoint", "--max_seq_length", "24", output_dir=damaged)
     assert "written for other data (" in line and "max_seq_length 32 -> 24" in line
+    # The lowest bit of 16 bytes in the middle of the largest file, its size kept: finite values, found only by the
+    # digest the checkpoint was written with.
     array = max((damaged / "checkpoint-20" / "state").rglob("d/*"), key=lambda path: path.stat().st_size)
-    array.write_bytes(array.read_bytes()[:100])
+    data = bytearray(array.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(byte ^ 1 for byte in data[len(data) // 2 : len(data) // 2 + 16])
+    array.write_bytes(bytes(data))
     line = bad("--resume_from_checkpoint", str(damaged / "checkpoint-20"), output_dir=damaged)
     assert f"--resume_from_checkpoint {damaged / 'checkpoint-20'} is damaged: " in line
+    assert "differs from the digest written with it: the file changed after the save" in line
     resumed = check_ok(run(flax_args(MLM, request, corpus, damaged, *RESUMABLE, "--resume_from_checkpoint")))
     log = resumed.stdout + resumed.stderr
     assert f"skipping {damaged / 'checkpoint-20'}: damaged (" in log and "Resuming at step 16" in log
@@ -181,6 +187,18 @@ def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
     # An evaluation of another model into a training run's folder would mix its results with the run's.
     line = refusal(flax_args(MLM, request, corpus, full_dir, "--do_eval", "--model_name_or_path", str(damaged)))
     assert f"{full_dir} already holds another evaluation's or model's results (train_results.json)" in line
+
+
+def test_a_non_finite_step_right_after_a_resume_names_the_checkpoint_not_the_learning_rate():
+    """The first step from a checkpoint that matched its digest diverging says to resume from an earlier one; a
+    divergence later keeps the learning-rate advice."""
+    script = load_script(MLM, "diverged")
+    for step, expected, absent in ((21, "after resuming from", "--learning_rate"), (23, "--learning_rate", "after")):
+        progress = script.TrainingProgress(global_step=step - 1, last_checkpoint="out/checkpoint-20")
+        with pytest.raises(SystemExit) as stopped:
+            script.stop_diverged(step, "the training loss is nan", progress, 20)
+        assert expected in str(stopped.value.code) and absent not in str(stopped.value.code), stopped.value.code
+        assert "out/checkpoint-20" in str(stopped.value.code)
 
 
 def test_a_second_signal_ends_the_run_at_once():
