@@ -84,6 +84,8 @@ def load_script(path):
     spec = importlib.util.spec_from_file_location("dumped_" + os.path.basename(path)[:-3], path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    if not all(hasattr(script, name) for name in ("parse_args", "preprocess", "collate_batch")):
+        fail(f"{path} is not a Flax training script: it has no parse_args, preprocess or collate_batch")
     return script
 
 

@@ -1802,11 +1802,11 @@ def bound_length(requested, config, tokenizer):
     if positions is not None and config.model_type in OFFSET_POSITION_MODELS:
         positions -= (config.pad_token_id or 0) + 1
     most = tokenizer.model_max_length
+    length = min(requested if requested is not None else positions or most, most)
+    if positions is not None and length > positions:  # named by the value typed, not the tokenizer's cut of it
+        fail(f"--{LENGTH_FLAG} {requested} is longer than the model's {positions} positions")
     if requested is not None and requested > most:
         logger.warning(f"--{LENGTH_FLAG} {requested} is larger than the tokenizer's maximum ({most}); using {most}.")
-    length = min(requested if requested is not None else positions or most, most)
-    if positions is not None and length > positions:
-        fail(f"--{LENGTH_FLAG} {length} is longer than the model's {positions} positions")
     return length
 
 

@@ -100,6 +100,9 @@ GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", 132, 128, 1.98, 80, 3.35, 50, 228, 9, 0),
     "a100": ("NVIDIA A100-SXM4-80GB", 108, 64, 1.41, 80, 2.039, 40, 164, 8, 0),
 }
+TRAINING_FUNCTIONS = ("make_train_step", "build_train_state", "collate_batch")
+# The TPU generations libtpu names (0.0.37 and 0.0.50 alike), as the first part of a slice's name.
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v5litepod", "v6e", "tpu7x")
 SLICES = (
     "name a slice as v2-8, v3-8, v4-8 or GENERATION:CHIPS, such as v3:4x4, v4:2x2x2, v5p:2x2x1, v6e:2x2, tpu7x:2x2x1"
 )
@@ -120,7 +123,8 @@ def topology_devices(name):
     gpu, _, count = name.lower().partition(":")
     if gpu in GPUS:
         return gpu_devices(gpu, count or "1")
-    if not re.fullmatch(r"(v\d+[a-z]*|tpu\d+x)(-\d+|:\d+(x\d+)*)", name):  # checked before libtpu is looked for
+    generation = re.fullmatch(r"([a-z0-9]+)(-\d+|:\d+(x\d+)*)", name)  # checked before libtpu is looked for
+    if not (generation and generation[1] in TPU_GENERATIONS):
         fail(f"--topology {name} is neither a TPU slice nor a GPU this tool knows; {SLICES}, or GPUs as h100[:COUNT]")
     if not (os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")):
         # the libtpu of jax's [tpu] extra: the compiler this jax was released with
@@ -169,16 +173,22 @@ def gpu_devices(gpu, count):
     return topology.devices, gib * 2**30, f"{count} x {kind} ({gib:.1f} GiB of HBM a device)"
 
 
+def check_script(path):
+    """A missing file or one that is not a Flax training script, refused by its text before anything is loaded."""
+    if not os.path.isfile(path):
+        fail(f"{path} does not exist: name a Flax training script, such as flax/run_mlm_flax.py")
+    with open(path, errors="replace") as f:
+        source = f.read()
+    if not all(f"def {name}(" in source for name in TRAINING_FUNCTIONS):
+        fail(f"{path} is not a Flax training script: it has no {', '.join(TRAINING_FUNCTIONS)}")
+
+
 def load_script(path):
     """A Flax training script imported by its path, under a name of its own
     (flax/ shares its name with the package)."""
-    if not os.path.isfile(path):
-        fail(f"{path} does not exist: name a Flax training script, such as flax/run_mlm_flax.py")
     spec = importlib.util.spec_from_file_location("compiled_" + os.path.basename(path)[:-3], path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    if not all(hasattr(script, name) for name in ("make_train_step", "build_train_state", "collate_batch")):
-        fail(f"{path} is not a Flax training script: it has no make_train_step, build_train_state or collate_batch")
     return script
 
 
@@ -307,6 +317,7 @@ def main(argv=None):
     parser.usage = "%(prog)s SCRIPT --topology SLICE -- FLAGS (the script's own)"
     cut = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:cut])
+    check_script(args.script)
     target = topology_devices(args.topology)  # a wrong name or a missing compiler: refused before the script loads
     compile_steps(load_script(args.script), argv[cut + 1 :], args.topology, target)
 

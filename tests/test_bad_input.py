@@ -347,6 +347,15 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(re
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_a_tool_given_a_script_that_does_not_train():
+    """dump_noised_examples.py given export_to_pytorch.py (an AttributeError on parse_args): one line."""
+    result = run(
+        ["flax/dump_noised_examples.py", "flax/export_to_pytorch.py", "--rows", "2", "--", "--output_dir", "x"]
+    )
+    line = error_line(result, "dump_noised_examples.py")
+    assert "flax/export_to_pytorch.py is not a Flax training script: it has no parse_args" in line
+
+
 def test_setup_on_a_disk_too_small_for_the_environment(tmp_path):
     """run.sh refuses to install into a 4 MB disk before pip starts: one line, and no half-made environment."""
     disk = tmp_path / "disk"

@@ -123,8 +123,14 @@ def test_a_model_too_big_for_the_chip_an_unknown_slice_and_no_libtpu_are_refused
     assert "--topology needs libtpu" in line
     line = error_line(run(compiling(args, "h200"), env={"TPU_LIBRARY_PATH": ""}), "train_compile.py")  # a typo
     assert "--topology h200 is neither a TPU slice nor a GPU this tool knows; name a slice" in line
-    line = error_line(run(compiling(["flax/absent.py", *args[1:]], "v3-8"), env=TPU), "train_compile.py")
+    # The real mistake first, before libtpu is looked for: the script, then the slice's name.
+    no_libtpu = {"TPU_LIBRARY_PATH": ""}
+    line = error_line(run(compiling(["flax/absent.py", *args[1:]], "v3-8"), env=no_libtpu), "train_compile.py")
     assert "flax/absent.py does not exist: name a Flax training script" in line
+    line = error_line(run(compiling(["README.md", *args[1:]], "v3-8"), env=no_libtpu), "train_compile.py")
+    assert "README.md is not a Flax training script: it has no make_train_step" in line
+    line = error_line(run(compiling(args, "v9-3"), env=no_libtpu), "train_compile.py")
+    assert "--topology v9-3 is neither a TPU slice nor a GPU this tool knows" in line
     line = error_line(run([TOOL, MLM, "--topology", "v3-8", "--", *args[1:], "--no_such_flag"], env=TPU), MLM[5:])
     assert "unknown argument --no_such_flag" in line  # the script's own flags, parsed by the script
     memory = ["benchmarks/step_memory.py", *compiling(args, "v3-8")[1:]]  # the tool's line, not a StopIteration

@@ -265,6 +265,9 @@ def test_bad_input(bart_dir, corpus, tmp_path):
     short_args = list(base) + ["--max_seq_length", "64"]
     short_args[short_args.index("--config_name") + 1] = str(short)
     assert "--max_seq_length 64 is longer than the model's 32 positions" in refusal(short_args)
+    # Beyond the tokenizer's maximum (512) too: the value typed is named, not the tokenizer's cut of it.
+    short_args[short_args.index("--max_seq_length") + 1] = "1024"
+    assert "--max_seq_length 1024 is longer than the model's 32 positions" in refusal(short_args)
     offline = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
     assert "--dataset_name" in error_line(run(base + ["--dataset_name", "oscar"], env=offline), "run_bart_dlm_flax.py")
     assert not (tmp_path / "o").exists()
