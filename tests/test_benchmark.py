@@ -164,8 +164,11 @@ def test_quick_writes_table_json_and_plot(quick):
     assert w["flops_per_step"] == workload.model_flops_per_step(w["config"], 16, 32, w["masked_tokens"])
     assert 0 < w["masked_tokens"] < 0.2 * 16 * 32 and "**Model FLOPs** a step, the same for every row" in table
     for row in ran:
-        assert row["head"] == "masked" and row["gflops"] == pytest.approx(w["flops_per_step"] / row["step_ms"] / 1e6)
-        assert 0 < row["mfu"] <= 1 and (row["hfu"] is None or row["mfu"] < row["hfu"] <= 1), row["mode"]
+        # the model FLOPs credited a step (a rate times a time: no timing compared), and HFU over MFU: the FLOPs
+        # the framework counted it execute over the model FLOPs
+        assert row["head"] == "masked" and row["gflops"] * row["step_ms"] == pytest.approx(w["flops_per_step"] / 1e6)
+        if row["hfu"] is not None:
+            assert row["hfu"] / row["mfu"] == pytest.approx(row["executed_flops"] / w["flops_per_step"]), row["mode"]
     assert report["matmul"]["peak"]["fp32"] > 0 and "bf16" not in report["matmul"]["peak"]  # no bf16 product timed
     groups = report["preprocessing"]["group"]
     assert set(groups) == {"group_texts (linear)", "sum(lists, []) (upstream)"}
@@ -194,15 +197,16 @@ def test_every_installed_framework_ran(quick):
 
 
 def test_every_framework_did_the_same_work(quick):
-    """Same config, same batches (digest of what each worker fed), same FLOPs, same starting weights:
-    the loss after the last step agrees across frameworks to numerical noise."""
+    """What each framework itself computed shows the same work: the parameters it counts in its model, its loss at
+    every step (same starting weights, same batches: agreeing to numerical noise), and the matrix products it counted
+    itself executing (Flax: the script's step as traced; PyTorch: its flop counter). (The batches' digest, shape and
+    config each worker reports are read from the one file every worker reads: they cannot differ.)"""
     _, report, _ = quick
     ran = [r for r in report["modes"] if "step_ms" in r]
-    assert len(ran) >= 5
+    assert {"flax", "torch", "torch_compile", "tf", "tf_xla"} <= {r["mode"] for r in ran}
     first = ran[0]
     for row in ran[1:]:
-        assert row["data_sha256"] == first["data_sha256"] and row["batch_shape"] == first["batch_shape"] == [16, 32]
-        assert row["config"] == first["config"] and row["num_params"] == first["num_params"]
+        assert row["num_params"] == first["num_params"]
         assert len(row["losses"]) == len(first["losses"]) == report["workload"]["steps"]
         # Same initial weights and batch in other kernels: float32 sums in other orders (about 1e-6 of a loss of 7).
         assert row["losses"][0] == pytest.approx(first["losses"][0], abs=2e-3)
@@ -214,6 +218,19 @@ def test_every_framework_did_the_same_work(quick):
     # products but for what each counts (torch: no gradient for the embeddings' input).
     rows = {r["mode"]: r for r in ran}
     assert rows["flax"]["executed_flops"] == pytest.approx(rows["torch"]["executed_flops"], rel=0.1)
+
+
+def head_flops(out, workload, dense=True):
+    """The FLOPs the head at every position executes beyond the head at the masked slots, by hand: the dense (h x h,
+    unless dense=False) and decoder (h x V) products, 2 FLOPs a multiply-add, x 3 (forward, and backward to inputs
+    and weights), at rows x (L - K) more positions (K: the masked slots a row, the batches' masked_positions width)."""
+    import numpy as np
+
+    with np.load(next((out / "work").glob("batches-*.npz"))) as batches:
+        _, rows, length, slots = *batches["input_ids"].shape, batches["masked_positions"].shape[-1]
+    h, v = workload["config"]["hidden_size"], workload["config"]["vocab_size"]
+    assert (rows, length) == (16, 32) and 0 < slots < length
+    return 3 * (2 * h * h * dense + 2 * h * v) * rows * (length - slots)
 
 
 @pytest.fixture(scope="module")
@@ -243,10 +260,54 @@ def test_the_gpu_modes_run_here_on_the_same_work_and_bf16_takes_effect(gpu_modes
     assert rows["torch_compile_bf16"]["losses"][0] == pytest.approx(rows["torch"]["losses"][0], abs=2e-3)
     assert rows["flax"]["products"] == "fp32" and rows["flax_model_bf16"]["products"] == "bf16"
     # transformers' head at every position: the same loss, more products executed, the same model FLOPs credited
+    # (a worker that ignored `head` would execute the same products): by hand, the head's dense (h x h) and decoder
+    # (h x V) products, x 3 (forward and backward), at the positions that are not masked slots, rows x (L - K).
     reference, ours = rows["torch_all_positions"], rows["torch"]
     assert reference["head"] == "all" and reference["losses"] == pytest.approx(ours["losses"], abs=2e-3)
-    assert reference["executed_flops"] > 1.2 * ours["executed_flops"] and reference["gflops"] < ours["gflops"] * 2
+    assert reference["executed_flops"] - ours["executed_flops"] == head_flops(out, report["workload"])
+    credited = [row["gflops"] * row["step_ms"] for row in (reference, ours)]  # a rate x a time: no timing compared
+    assert credited == pytest.approx([report["workload"]["flops_per_step"] / 1e6] * 2)
     assert any(g.startswith("Our --dtype bfloat16 (flax_bf16) vs upstream's meaning") for g in report["goals"])
+
+
+def test_the_flax_worker_runs_the_scripts_step_and_its_head_takes_effect(gpu_modes, tmp_path, monkeypatch):
+    """benchmarks/worker_flax.py in this process, on 2 of gpu_modes' batches from its initial weights: it builds its
+    step with run_mlm_flax.py's make_train_step (patched here, counted) once a run and calls that step once a batch;
+    its head "all" gives the same losses as "masked" and executes the decoder's products at rows x (L - K) more
+    positions, by hand (head_flops; run_mlm_flax.py's lm_head_at gathers the decoder's input only, so the head's
+    dense h x h runs at every position in both)."""
+    import numpy as np
+
+    from benchmarks import worker_flax
+
+    out, report = gpu_modes
+    with np.load(next((out / "work").glob("batches-*.npz"))) as data:
+        batches = {k: data[k][:2] for k in data.files}
+    load, made, calls = worker_flax.load_script, [], []
+
+    def counted_script(path):
+        script = load(path)
+        make = script.make_train_step
+
+        def make_train_step(*args, **kwargs):
+            step = make(*args, **kwargs)
+            made.append(step)
+            counted = lambda *a, **k: calls.append(1) or step(*a, **k)  # noqa: E731
+            counted.trace = step.trace
+            return counted
+
+        script.make_train_step = make_train_step
+        return script
+
+    monkeypatch.setattr(worker_flax, "load_script", counted_script)
+    results = {}
+    for mode in ("flax", "flax_all_positions"):
+        spec = {"mode": mode, "init_dir": str(out / "work" / "init-tiny"), "work_dir": str(tmp_path / mode)}
+        results[mode] = worker_flax.train({**spec, "profile_steps": 0}, batches)
+    assert len(made) == 2 and len(calls) == 4  # one step built a run, called once a batch
+    masked, everywhere = results["flax"], results["flax_all_positions"]
+    assert everywhere["losses"] == pytest.approx(masked["losses"], abs=1e-5)
+    assert everywhere["executed_flops"] - masked["executed_flops"] == head_flops(out, report["workload"], dense=False)
 
 
 def test_each_gpu_mode_profiles_where_its_step_goes(gpu_modes):
@@ -347,14 +408,18 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
     leaves partial.{md,json,png} of the four that ended, through the real summary, goals and plot, with unequal
     repeat counts (flax twice, torch and the reference row once) and ranges of zero; the finished rerun writes
     results.* and removes them."""
-    real, runs = runner.run_worker, []
+    real, runs, medians = runner.run_worker, [], {}
 
     def worker(module, spec, *args, **kwargs):
         if spec["kind"] == "train":
             runs.append(spec["mode"])
             if len(runs) == 5:
                 raise KeyboardInterrupt  # the call's time limit, in torch's second run
-        return real(module, spec, *args, **kwargs)
+        result = real(module, spec, *args, **kwargs)
+        if spec["kind"] == "train":  # each run's median step after its 1 warm-up step, in ms, by hand
+            times = sorted(result["times"][1:])
+            medians.setdefault(spec["mode"], []).append(1000 * (times[0] + times[1]) / 2)
+        return result
 
     monkeypatch.setattr(runner, "run_worker", worker)
     argv = ["--quick", "--modes", "flax,torch,tf_all_positions", "--repeats", "2", "--steps", "3", "--warmup_steps"]
@@ -365,7 +430,15 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
     assert "**Partial: 4 of 6 runs of the modes done.**" in partial and not (tmp_path / "results.md").exists()
     rows = {r["mode"]: r for r in json.loads((tmp_path / "partial.json").read_text())["modes"]}
     assert {name: r["repeats"] for name, r in rows.items()} == {"flax": 2, "torch": 1, "tf_all_positions": 1}
-    assert rows["torch"]["step_ms_range"][0] == rows["torch"]["step_ms_range"][1]
+    # Each row holds its own runs (flax's two, in order), its step the median of their medians (of two: the mean),
+    # its range theirs; torch's one run, a range of zero.
+    for name, row in rows.items():
+        assert row["step_ms_by_repeat"] == pytest.approx(medians[name], rel=1e-12), name
+        assert row["step_ms"] == pytest.approx(sum(medians[name]) / len(medians[name]), rel=1e-12), name
+        assert row["step_ms_range"] == pytest.approx([min(medians[name]), max(medians[name])], rel=1e-12), name
+    assert (
+        len(medians["flax"]) == 2 and rows["flax"]["times_by_repeat"][1][1:] != rows["flax"]["times_by_repeat"][0][1:]
+    )
     assert "| tf_all_positions | fp32 | as tf, head at every position | all |" in partial
     assert any(line.startswith("- Flax's fastest mode (flax") for line in partial.splitlines())
     bench.main(argv)
@@ -377,7 +450,9 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
 
 def test_three_repeats_cut_at_any_run_report_through_the_real_summary_goals_and_plot(bench, tmp_path):
     """--repeats 3 cut after every run of the schedule: each prefix (counts 3/2/2, 1/1/0, ...) is summarized,
-    compared per round and written (markdown, JSON, plot), the finished one with three repeats a mode."""
+    compared per round and written (markdown, JSON, plot), the finished one with three repeats a mode. Every round's
+    median step differs (flax 100, 120, 140 ms; torch 130, 160, 190; tf_all_positions 200, 170, 140): at the cut
+    3/2/2 the medians, ranges and per-round ratios are those computed by hand."""
     modes_run = ["flax", "torch", "tf_all_positions"]
     schedule = runner.rounds(modes_run, 3)
     size = {"batch_size": 16, "seq_len": 32}
@@ -400,12 +475,30 @@ def test_three_repeats_cut_at_any_run_report_through_the_real_summary_goals_and_
     )
     results = {name: [] for name in modes_run}
     for cut, (round_index, name) in enumerate(schedule, 1):
-        times = [1.0, 0.13, 0.13, 0.13] if name == "torch" else [1.0, 0.1 + 0.01 * round_index, 0.1, 0.1]
+        step = {"flax": 0.1 + 0.02 * round_index, "torch": 0.13 + 0.03 * round_index}.get(
+            name, 0.2 - 0.03 * round_index
+        )
+        times = [1.0, step + 0.001, step, step - 0.001]  # a first step (not timed), then a median of `step`
         results[name].append({"times": times, "losses": [9.0, 8.5], "peak_rss_mb": 10.0, "num_params": 5})
         run_report = bench.build_report(setting, modes_run, results, {}, {})
         report.write_outputs(tmp_path, run_report, stem=f"cut{cut}")
         assert [r["repeats"] for r in run_report["modes"]] == [len(results[m]) for m in modes_run if results[m]]
+        if cut == 7:  # 3/2/2
+            rows = {r["mode"]: r for r in run_report["modes"]}
+            expected = {"flax": [100, 120, 140], "torch": [130, 160], "tf_all_positions": [200, 170]}
+            for name, by_repeat in expected.items():
+                assert rows[name]["step_ms_by_repeat"] == pytest.approx(by_repeat), name
+                assert rows[name]["step_ms_range"] == pytest.approx([min(by_repeat), max(by_repeat)]), name
+            assert [rows[name]["step_ms"] for name in expected] == pytest.approx([120, 145, 185])
+            # per round, torch's over flax's in rounds 1 and 2: 130/100 = 1.30, 160/120 = 1.33, median 1.32 (the
+            # reference row, tf_all_positions, is no comparison: another head)
+            line = next(goal for goal in run_report["goals"] if goal.startswith("Flax's fastest mode"))
+            assert (
+                "(flax, 120.0 ms) vs the fastest other mode (torch, 145.0 ms), the same work: 1.32x [1.30-1.33]"
+                in line
+            ), line
     assert all(r["repeats"] == 3 for r in run_report["modes"]) and (tmp_path / "cut9.png").is_file()
+    assert [r["step_ms"] for r in run_report["modes"]] == pytest.approx([120, 160, 170])
     assert any("per round" in goal for goal in run_report["goals"])
 
 
