@@ -56,6 +56,7 @@ class Mode:
     compiled: bool = False  # torch.compile; TensorFlow's tf.function(jit_compile=True)
     fsdp: str = ""  # Flax: run_mlm_flax.py's --fsdp
     model_dtype: str = "float32"  # Flax: the model's dtype ("bfloat16" is upstream's meaning of --dtype)
+    stack: str = "pins"  # Flax: "current" runs in requirements-current.txt's venv (today's jax; --current_python)
 
     @property
     def worker(self):
@@ -72,6 +73,12 @@ MODES = {
         "flax", "bf16", "as flax, the model's dtype bfloat16 (upstream's --dtype bfloat16)", model_dtype="bfloat16"
     ),
     "flax_fsdp": Mode("flax", "fp32", "as flax, --fsdp full_shard over fake CPU devices", fsdp="full_shard"),
+    # The same three on today's releases (requirements-current.txt), beside the pins' in the same rounds.
+    "flax_current": Mode("flax", "fp32", "as flax, on today's jax (requirements-current.txt)", stack="current"),
+    "flax_bf16_current": Mode("flax", "bf16", "as flax_bf16, on today's jax", stack="current"),
+    "flax_model_bf16_current": Mode(
+        "flax", "bf16", "as flax_model_bf16, on today's jax", model_dtype="bfloat16", stack="current"
+    ),
     "torch": Mode("pytorch", "fp32", "eager, SDPA attention, fused AdamW"),
     "torch_bf16": Mode("pytorch", "bf16", "as torch, autocast bfloat16"),
     "torch_compile": Mode("pytorch", "fp32", "as torch, torch.compile (inductor)", compiled=True),
@@ -91,6 +98,8 @@ DEFAULT_MODES = ["flax", "flax_bf16", "torch", "torch_bf16", "torch_compile", "t
 # modes; upstream's bf16 (the model's dtype) and transformers' head at every position as reference rows beside ours.
 GPU_MODES = ["flax", "flax_bf16", "flax_model_bf16", "torch", "torch_bf16", "torch_compile_bf16"]
 GPU_MODES += ["torch_all_positions"]
+# `--modes stacks`: Flax's step on the pins and on today's releases, side by side.
+STACK_MODES = ["flax", "flax_bf16", "flax_model_bf16", "flax_current", "flax_bf16_current", "flax_model_bf16_current"]
 # Published dense peaks, TFLOP/s, by the products' precision: NVIDIA's datasheets (SXM parts unless named). The first
 # name found in the GPU's name wins; a GPU not listed is measured against this run's matrix-product peak.
 GPU_PEAKS = {

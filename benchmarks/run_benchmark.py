@@ -58,6 +58,7 @@ from benchmarks.modes import (
     LEARNING_RATE,
     MODES,
     SIZES,
+    STACK_MODES,
     WEIGHT_DECAY,
     warmup_steps_for,
 )
@@ -108,7 +109,8 @@ def build_parser():
     parser.add_argument(
         "--modes",
         default=None,
-        help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}). "
+        help=f"Comma-separated, from: {', '.join(MODES)} (with --end_to_end: {', '.join(E2E_MODES)}); or gpu (the "
+        "GPU call's), or stacks (Flax's three on the pins and on today's releases). "
         "Default: all but flax_fsdp, and no bf16 mode on a CPU without bf16 instructions.",
     )
     parser.add_argument(
@@ -138,6 +140,11 @@ def build_parser():
         "--xla_python",
         default=os.environ.get("XLA_PYTHON", str(ROOT / ".venv-xla" / "bin" / "python")),
         help="Python of the PyTorch/XLA venv (bash run.sh setup-xla); torch_xla is skipped without it.",
+    )
+    parser.add_argument(
+        "--current_python",
+        default=str(ROOT / ".venv-current" / "bin" / "python"),
+        help="Python of today's releases (requirements-current.txt) for the *_current Flax modes (--modes stacks).",
     )
     parser.add_argument(
         "--preprocess_lines",
@@ -189,6 +196,8 @@ def resolve_args(args):
     defaults = list(E2E_MODES) if args.end_to_end else GPU_MODES if args.gpu else DEFAULT_MODES
     if args.modes == "gpu" and not args.end_to_end:
         args.modes = ",".join(GPU_MODES)
+    if args.modes == "stacks" and not args.end_to_end:
+        args.modes = ",".join(STACK_MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else defaults
     unknown = [m for m in modes if m not in known]
     if unknown:

@@ -93,11 +93,15 @@ def train_mode(args, name, spec, work):
         if not os.path.exists(args.xla_python):
             return {"skipped": f"no PyTorch/XLA environment at {args.xla_python} (bash run.sh setup-xla)"}
         return run_worker("worker_torch", spec, work, python=args.xla_python, env={"PJRT_DEVICE": "CPU"})
-    env = None
+    env, python = None, sys.executable
     if MODES[name].framework == "flax":
         devices = f" --xla_force_host_platform_device_count={args.flax_devices}" if MODES[name].fsdp else ""
         env = {"XLA_FLAGS": (args.xla_flags + devices).strip()}
-    return run_worker(MODES[name].worker, spec, work, env=env)
+    if MODES[name].stack == "current":
+        if not os.path.exists(args.current_python):
+            return {"skipped": f"no venv of today's releases at {args.current_python} (bash run.sh test-current)"}
+        python = args.current_python
+    return run_worker(MODES[name].worker, spec, work, python=python, env=env)
 
 
 def train_modes(args, modes, config_dir, init_dir, batches_path, work, bar, after_each):

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""What a checkpoint's digest costs a save: a Flax script's train state (roberta-base by default: RoBERTa's published
+sizes, new weights and Adam's two moments) saved by the script's own write_checkpoint, and its state_digest alone,
+each timed over --repeats saves into a temporary folder on the disk of --work_dir:
+
+  python benchmarks/checkpoint_digest.py --repeats 3 --work_dir out/digest
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+os.environ.setdefault("USE_TF", "0")
+os.environ.setdefault("USE_TORCH", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import load_script  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--script", default="flax/run_mlm_flax.py")
+    parser.add_argument("--config_overrides", default="", help="create_config.py's, e.g. hidden_size=128 (tiny runs)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--work_dir", default=None, help="a folder on the disk to time (default: the temporary one)")
+    args = parser.parse_args(argv)
+    import jax
+
+    script, create_config = load_script(args.script), load_script("tokenizers/create_config.py")
+    config = create_config.build_config("roberta", vocab_size=50265, config_overrides=args.config_overrides)
+    model_args = script.ModelArguments(model_type="roberta")
+    training_args = script.TrainingArguments(output_dir="unused", do_train=True)
+    plan = script.TrainingPlan(script.make_mesh(""), 1, 1, 0, 8, 8, total_steps=10)
+    _, state, _ = script.build_train_state(model_args, training_args, config, plan)
+    arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+    size = sum(x.nbytes for x in jax.tree_util.tree_leaves(arrays))
+    script.state_digest(arrays)  # compiled once, as a run compiles it at its first save
+    work = Path(tempfile.mkdtemp(dir=args.work_dir))
+    digests, saves = [], []
+    try:
+        for repeat in range(args.repeats):
+            start = time.perf_counter()
+            script.state_digest(arrays)
+            digests.append(time.perf_counter() - start)
+            out = work / str(repeat)
+            out.mkdir()
+            checkpoints = script.checkpoint_manager(out, writes=True)
+            run = types.SimpleNamespace(args=training_args, objective={}, data={}, plan=plan, checkpoints=checkpoints)
+            start = time.perf_counter()
+            script.write_checkpoint(state, script.TrainingProgress(global_step=1), run)
+            saves.append(time.perf_counter() - start)
+            run.checkpoints.close()
+            shutil.rmtree(out)
+    finally:
+        shutil.rmtree(work)
+    digest, save = statistics.median(digests), statistics.median(saves)
+    result = dict(state_mb=round(size / 2**20, 1), digest_s=round(digest, 3), save_s=round(save, 3))
+    result.update(digest_share_of_save=round(digest / save, 3), digests_s=digests, saves_s=saves)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
