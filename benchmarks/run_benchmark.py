@@ -194,11 +194,9 @@ def resolve_args(args):
         args.preprocess_lines = 5000 if args.quick else 10**9
     known = E2E_MODES if args.end_to_end else MODES
     defaults = list(E2E_MODES) if args.end_to_end else GPU_MODES if args.gpu else DEFAULT_MODES
-    if args.modes == "gpu" and not args.end_to_end:
-        args.modes = ",".join(GPU_MODES)
-    if args.modes == "stacks" and not args.end_to_end:
-        args.modes = ",".join(STACK_MODES)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else defaults
+    groups = {} if args.end_to_end else {"gpu": GPU_MODES, "stacks": STACK_MODES}  # names of several modes
+    asked = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else defaults
+    modes = list(dict.fromkeys(mode for name in asked for mode in groups.get(name, [name])))
     unknown = [m for m in modes if m not in known]
     if unknown:
         fail(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(known)}")

@@ -60,6 +60,7 @@ def test_a_streamed_run_resumes_bit_for_bit(request, corpus, tmp_path, path):
     result = check_ok(run(flax_args(path, request, corpus, full, *STREAMED)))
     log = result.stdout + result.stderr
     assert log.count("over the training stream ended after 44 rows") >= 2, log[-3000:]
+    assert "--max_steps 16 goes on with pass 2: the same rows in a new order" in log  # a warning, not only info
     results = json.loads((full / "train_results.json").read_text())
     assert results["global_step"] == 16 and results["train_samples"] is None  # a stream has no length, not 0 rows
     if path == MLM:
