@@ -596,7 +596,7 @@ def main(argv=None):
 
     last_eval = None
     if training_args.do_train:
-        run.checkpoints = open_checkpoints(training_args, fresh_start=not checkpoints)
+        run.checkpoints = open_checkpoints(run, state, progress, fresh_start=not checkpoints)
         train_step = make_train_step(model, schedule, bf16, training_args.seed, state)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             state, train_metrics, last_eval = train(state, train_step, run, progress)
@@ -741,8 +741,6 @@ def train(state, train_step, run, progress):
     """Train `state` from `progress` to plan.total_steps, logging, evaluating and saving as due
     (after_step). Returns the state, the Trainer's train metrics and the last evaluation as (step, metrics)."""
     plan, args = run.plan, run.args
-    first_save = min(plan.total_steps, (progress.global_step // args.save_steps + 1) * args.save_steps)
-    check_free_space(state, progress, run, os.path.join(args.output_dir, f"checkpoint-{first_save}"))
     loop = Loop(first_step=progress.global_step)
     bar = tqdm(total=plan.total_steps, initial=loop.first_step, desc="Training", disable=plan.process_index != 0)
     PROCESS.training = True
@@ -2244,9 +2242,18 @@ def find_checkpoint(training_args, model_args):
     return None
 
 
-def open_checkpoints(training_args, fresh_start):
-    """The manager this run saves with. A fresh run into a used output_dir (--overwrite_output_dir) first removes the
-    earlier run's checkpoints and results, so that no later resume can pick one and no result file mixes two runs."""
+def open_checkpoints(run, state, progress, fresh_start):
+    """The manager this run saves with, once the disk has room for its first checkpoint (checked before Orbax's
+    threads start: a refusal leaves none behind). A fresh run into a used output_dir (--overwrite_output_dir) first
+    removes the earlier run's checkpoints and results, so that no later resume can pick one and no result file mixes
+    two runs."""
+    training_args = run.args
+    first = min(
+        run.plan.total_steps, (progress.global_step // training_args.save_steps + 1) * training_args.save_steps
+    )
+    earlier = Path(training_args.output_dir).glob("checkpoint-*/**/*") if fresh_start else ()  # removed below
+    path = os.path.join(training_args.output_dir, f"checkpoint-{first}")
+    check_free_space(state, progress, run, path, sum(f.stat().st_size for f in earlier if f.is_file()))
     manager = checkpoint_manager(training_args.output_dir, training_args.save_total_limit, writes=True)
     for leftover in Path(training_args.output_dir).glob(".tmp-save-*"):  # from a save killed midway
         shutil.rmtree(leftover)
@@ -2294,11 +2301,11 @@ def check_savable(state, progress, run, path):
     check_free_space(state, progress, run, path)
 
 
-def check_free_space(state, progress, run, path):
-    """Stops where the disk lacks room for checkpoint `path` and the model's weights, before training and before
-    each save (Orbax's writer threads do not stop on a full disk)."""
+def check_free_space(state, progress, run, path, freed=0):
+    """Stops where the disk lacks room for checkpoint `path` and the model's weights, before training (with `freed`
+    bytes about to be removed) and before each save (Orbax's writer threads do not stop on a full disk)."""
     needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state, state.params["model"])))
-    if (free := shutil.disk_usage(run.args.output_dir).free) < 1.1 * needed + (1 << 20):
+    if (free := shutil.disk_usage(run.args.output_dir).free + freed) < 1.1 * needed + (1 << 20):
         fail(
             f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
             f"free; {last_intact(progress)}. Free some space (or use --save_total_limit), then "

@@ -236,8 +236,8 @@ def test_bigbird_block_sparse_attention(path, scripts, tokenizer, train_rows, ti
 @pytest.mark.parametrize("model_type", ["roberta", "roberta-prelayernorm", "xlm-roberta", "bert", "bart"])
 def test_the_default_length_fits_the_models_positions(model_type, scripts, tokenizer, monkeypatch, caplog):
     """RoBERTa's kind numbers positions from pad_token_id + 1: 64 position embeddings with pad 1 hold 62 tokens, the
-    default length under a tokenizer of 1,024, and one more is refused in one line (BERT and BART: 64). A length
-    above the tokenizer's is cut to it, with a warning."""
+    default length under a tokenizer of 1,024, and one more is refused in one line, by the value typed (BERT and BART:
+    64). A length above the tokenizer's, within the positions, is cut to it, with a warning."""
     config = tiny_config(model_type, tokenizer)
     monkeypatch.setattr(tokenizer, "model_max_length", 1024)
     fits = 64 - (tokenizer.pad_token_id + 1 if "roberta" in model_type else 0)
@@ -245,10 +245,16 @@ def test_the_default_length_fits_the_models_positions(model_type, scripts, token
     for script in [bart] if bart else scripts.values():
         data_args = script.DataTrainingArguments()
         assert script.resolve_max_seq_length(data_args, config, tokenizer) == fits
-        for length, refused in ((fits + 1, fits + 1), (2000, 1024)):
+        for length in (fits + 1, 2000):  # named as typed, not as the tokenizer's cut of it (1024)
             setattr(data_args, script.LENGTH_FLAG, length)
             with pytest.raises(
-                SystemExit, match=f"--{script.LENGTH_FLAG} {refused} is longer than the model's {fits} "
+                SystemExit, match=f"--{script.LENGTH_FLAG} {length} is longer than the model's {fits} "
             ):
                 script.resolve_max_seq_length(data_args, config, tokenizer)
-        assert f"--{script.LENGTH_FLAG} 2000 is larger than the tokenizer's maximum (1024); using 1024." in caplog.text
+        monkeypatch.setattr(tokenizer, "model_max_length", fits - 2)
+        setattr(data_args, script.LENGTH_FLAG, fits)
+        assert script.resolve_max_seq_length(data_args, config, tokenizer) == fits - 2
+        assert (
+            f"--{script.LENGTH_FLAG} {fits} is larger than the tokenizer's maximum ({fits - 2}); using" in caplog.text
+        )
+        monkeypatch.setattr(tokenizer, "model_max_length", 1024)
