@@ -2114,6 +2114,12 @@ def find_checkpoint(training_args, model_args):
     if resume not in ("true", "false"):
         path = training_args.resume_from_checkpoint
         if not (re.fullmatch(r"checkpoint-\d+", Path(path).name) and complete_checkpoint(path)):
+            inside = sorted(m.step for m in CheckpointNames().find_all(path))
+            if inside:  # a run's own folder, given where one of its checkpoints is meant
+                fail(
+                    f"--resume_from_checkpoint {path} is a run's folder: name one of its checkpoints "
+                    f"({Path(path) / f'checkpoint-{inside[-1]}'}), or pass the flag alone with --output_dir {path}"
+                )
             fail(f"--resume_from_checkpoint {path} is not a complete checkpoint-N folder written by this script")
         return [path]
     if resume == "true":

@@ -115,6 +115,8 @@ def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, co
     assert "--resume_from_checkpoint to continue it" in bad()
     assert "holds no complete checkpoint" in bad("--resume_from_checkpoint", output_dir=tmp_path / "empty")
     assert "not a complete checkpoint" in bad("--resume_from_checkpoint", str(tmp_path / "nowhere"))
+    line = bad("--resume_from_checkpoint", str(full_dir))  # the run's folder, not one of its checkpoints
+    assert f"is a run's folder: name one of its checkpoints ({full_dir / 'checkpoint-24'})" in line, line
     line = bad("--resume_from_checkpoint", "--per_device_train_batch_size", "4")
     assert "written for other data (train_batch_size 8 -> 4)" in line and "--ignore_data_skip" in line
     small = tmp_path / "small_config"
