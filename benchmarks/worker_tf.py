@@ -6,7 +6,7 @@ import os
 
 import tensorflow as tf
 
-from benchmarks.measure import timed_loop, worker_main
+from benchmarks.measure import step_batch, timed_loop, worker_main
 from benchmarks.modes import BETAS, EPS, LEARNING_RATE, MODES, WEIGHT_DECAY, warmup_steps_for
 
 
@@ -46,14 +46,35 @@ def train(spec, batches):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    names = ("input_ids", "attention_mask", "labels", "masked_positions")
+
     def run(batch):
-        names = ("input_ids", "attention_mask", "labels", "masked_positions")
         return float(train_step(*(tf.constant(batch[k]) for k in names if k in batch)).numpy())
 
     times, losses = timed_loop(run, batches, mode.head)
+    first = step_batch(batches, 0, mode.head)
+    graph = train_step.get_concrete_function(*(tf.constant(first[k]) for k in names if k in first)).graph
     return dict(
-        times=times, losses=losses, num_params=int(model.count_params()), versions={"tensorflow": tf.__version__}
+        times=times,
+        losses=losses,
+        num_params=int(model.count_params()),
+        versions={"tensorflow": tf.__version__},
+        executed_flops=executed_flops(graph),
+        executed_by="the step's graph: TensorFlow's registered FLOPs of its matrix products",
     )
+
+
+def executed_flops(graph):
+    """The FLOPs of the matrix products one step's graph (forward, gradients, update) executes, by TensorFlow's own
+    per-op statistics (the profiler's registry), counting only products as torch's counter and Flax's do."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.profiler.internal import flops_registry  # noqa: F401  (registers the statistics)
+
+    products = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+    found = [op for op in graph.get_operations() if op.type in products]
+    if not found:  # the products traced into a nested function's graph: say so rather than count none
+        raise RuntimeError("no matrix product in the train step's own graph")
+    return sum(int(ops.get_stats_for_node_def(graph, op.node_def, "flops").value) for op in found)
 
 
 def matmul_call(precision, a, b):

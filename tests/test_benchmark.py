@@ -199,9 +199,10 @@ def test_every_installed_framework_ran(quick):
 def test_every_framework_did_the_same_work(quick):
     """What each framework itself computed shows the same work: the parameters it counts in its model, its loss at
     every step (same starting weights, same batches: agreeing to numerical noise), and the matrix products it counted
-    itself executing (Flax: the script's step as traced; PyTorch: its flop counter). (The batches' digest, shape and
-    config each worker reports are read from the one file every worker reads: they cannot differ.)"""
-    _, report, _ = quick
+    itself executing (Flax: the script's step as traced; PyTorch: its flop counter; TensorFlow: its registered FLOPs
+    of the step's graph). (The batches' digest, shape and config each worker reports are read from the one file every
+    worker reads: they cannot differ.)"""
+    out, report, _ = quick
     ran = [r for r in report["modes"] if "step_ms" in r]
     assert {"flax", "torch", "torch_compile", "tf", "tf_xla"} <= {r["mode"] for r in ran}
     first = ran[0]
@@ -214,23 +215,54 @@ def test_every_framework_did_the_same_work(quick):
         # changes the loss by that near-zero gradient times the step.
         assert row["final_loss"] == pytest.approx(first["final_loss"], abs=1e-2)
     assert first["losses"][-1] < first["losses"][0]
-    # The head at the same masked slots in Flax (the script's step, traced) and PyTorch (its flop counter): the same
-    # products but for what each counts (torch: no gradient for the embeddings' input).
-    rows = {r["mode"]: r for r in ran}
-    assert rows["flax"]["executed_flops"] == pytest.approx(rows["torch"]["executed_flops"], rel=0.1)
+    # Each framework's own count against the products of the step by hand: TensorFlow's graph, with XLA or without,
+    # to the FLOP; PyTorch's counter lacks the attention's products (it has no formula for the CPU's fused kernel,
+    # aten._scaled_dot_product_flash_attention_for_cpu); the script's step (Flax) also runs the head's dense (h x h)
+    # at the other positions (lm_head_at gathers at the decoder) and multiplies the attention weights by
+    # transformers' head mask of ones (an einsum over nothing contracted: 2 FLOPs an element), forward and backward.
+    rows, size = {r["mode"]: r for r in ran}, sizes(out, report["workload"])
+    assert rows["tf"]["executed_flops"] == rows["tf_xla"]["executed_flops"] == step_flops(size)
+    assert rows["torch"]["executed_flops"] == step_flops(size) - step_flops(size, attention_only=True)
+    head_mask = size["layers"] * 2 * 2 * size["rows"] * size["heads"] * size["length"] ** 2
+    extra = head_flops(out, report["workload"], decoder=False) + head_mask
+    assert rows["flax"]["executed_flops"] == step_flops(size) + extra
 
 
-def head_flops(out, workload, dense=True):
-    """The FLOPs the head at every position executes beyond the head at the masked slots, by hand: the dense (h x h,
-    unless dense=False) and decoder (h x V) products, 2 FLOPs a multiply-add, x 3 (forward, and backward to inputs
-    and weights), at rows x (L - K) more positions (K: the masked slots a row, the batches' masked_positions width)."""
+def sizes(out, workload):
+    """The batches' (rows a step, length L, masked slots K a row) and the model's sizes."""
     import numpy as np
 
     with np.load(next((out / "work").glob("batches-*.npz"))) as batches:
         _, rows, length, slots = *batches["input_ids"].shape, batches["masked_positions"].shape[-1]
-    h, v = workload["config"]["hidden_size"], workload["config"]["vocab_size"]
+    c = workload["config"]
     assert (rows, length) == (16, 32) and 0 < slots < length
-    return 3 * (2 * h * h * dense + 2 * h * v) * rows * (length - slots)
+    names = ("hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    h, v, i, layers, heads = (c[name] for name in names)
+    return dict(rows=rows, length=length, slots=slots, h=h, v=v, i=i, layers=layers, heads=heads)
+
+
+def step_flops(size, head="masked", attention_only=False):
+    """The matrix products of one step by hand, 2 FLOPs a multiply-add, x 3 (forward, and backward to inputs and
+    weights): a layer's Q, K, V and output (h x h), feed-forward (h x I, I x h) and attention (the scores and their
+    weighted sum, L x h a position each), at every position; the head's dense (h x h) and decoder (h x V) at the K
+    masked slots a row (or, head="all", every position)."""
+    rows, length, h = size["rows"], size["length"], size["h"]
+    attention = size["layers"] * rows * length * 2 * 2 * length * h
+    if attention_only:
+        return 3 * attention
+    layers = size["layers"] * rows * length * (4 * 2 * h * h + 2 * 2 * h * size["i"]) + attention
+    positions = length if head == "all" else size["slots"]
+    return 3 * (layers + rows * positions * (2 * h * h + 2 * h * size["v"]))
+
+
+def head_flops(out, workload, dense=True, decoder=True):
+    """The FLOPs the head at every position executes beyond the head at the masked slots, by hand: the dense (h x h,
+    unless dense=False) and decoder (h x V, unless decoder=False) products, 2 FLOPs a multiply-add, x 3 (forward, and
+    backward to inputs and weights), at rows x (L - K) more positions (K: the masked slots a row, the batches'
+    masked_positions width)."""
+    size = sizes(out, workload)
+    h, positions = size["h"], size["rows"] * (size["length"] - size["slots"])
+    return 3 * (2 * h * h * dense + 2 * h * size["v"] * decoder) * positions
 
 
 @pytest.fixture(scope="module")
@@ -407,7 +439,7 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
     """Real workers at the tiny size, --repeats 2: a run cut short (a device call's time limit) in its fifth run
     leaves partial.{md,json,png} of the four that ended, through the real summary, goals and plot, with unequal
     repeat counts (flax twice, torch and the reference row once) and ranges of zero; the finished rerun writes
-    results.* and removes them."""
+    results.* and removes them; TensorFlow's head at every position counts the step's products by hand."""
     real, runs, medians = runner.run_worker, [], {}
 
     def worker(module, spec, *args, **kwargs):
@@ -446,6 +478,9 @@ def test_a_cut_run_leaves_its_finished_modes_in_partial_files_and_a_rerun_finish
     rows = {r["mode"]: r for r in json.loads((tmp_path / "results.json").read_text())["modes"]}
     assert all(r["repeats"] == 2 for r in rows.values())
     assert rows["tf_all_positions"]["final_loss"] == pytest.approx(rows["flax"]["final_loss"], abs=1e-2)
+    # TensorFlow's head at every position, by its own count: the step's products by hand with the head everywhere
+    size = sizes(tmp_path, json.loads((tmp_path / "results.json").read_text())["workload"])
+    assert rows["tf_all_positions"]["executed_flops"] == step_flops(size, head="all")
 
 
 def test_three_repeats_cut_at_any_run_report_through_the_real_summary_goals_and_plot(bench, tmp_path):
