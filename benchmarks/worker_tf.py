@@ -67,8 +67,11 @@ def train(spec, batches):
 def executed_flops(graph):
     """The FLOPs of the matrix products one step's graph (forward, gradients, update) executes, by TensorFlow's own
     per-op statistics (the profiler's registry), counting only products as torch's counter and Flax's do."""
-    from tensorflow.python.framework import ops
-    from tensorflow.python.profiler.internal import flops_registry  # noqa: F401  (registers the statistics)
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.profiler.internal import flops_registry  # noqa: F401  (registers the statistics)
+    except ImportError:  # a TensorFlow without the profiler's registry (private modules): the row says "not counted"
+        return None
 
     products = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
     found = [op for op in graph.get_operations() if op.type in products]
