@@ -272,7 +272,9 @@ class DataTrainingArguments(DataArguments):
     mlm_probability: float = arg(0.3, "Ratio of tokens to mask for span masked language modeling loss")
     permute_sentence_ratio: float = arg(1.0, "Ratio of sentences to be permuted in each document")
     poisson_lambda: float = arg(3.0, "Mean of Poisson distribution used to generate span-lengths to be masked")
-    sentence_language: str = arg("en", "Language code of sentencex's splitting rules (e.g. en, nb).")
+    sentence_language: str = arg(
+        "en", "Language code of sentencex's splitting rules (e.g. en, de, ru); one it has none for splits as en."
+    )
     mask_whole_words: bool = arg(
         True, "Spans over whole words, as BART was pretrained (false: sub-word tokens, as upstream)."
     )
@@ -297,10 +299,14 @@ def validate_objective(data_args):
         fail(f"--mask_random must be in [0, 1], got {data_args.mask_random}")
     try:
         from sentencex import segment
-
-        list(segment(data_args.sentence_language, "A test. Another one."))
     except ImportError:
         fail("the sentence splitter comes from the PyPI package 'sentencex': pip install -r requirements.txt")
+    # sentencex has no list of its languages: a code with no rules of its own (its fallbacks included) gets the English
+    # ones without a word. Each of its other rule sets splits this text unlike the English rules do.
+    probe = "Go A. Then Mr. Lee met Prof. Wu vs. Dr. Ng etc. Then we went."
+    code = data_args.sentence_language
+    if code.split("-")[0] != "en" and list(segment(code, probe)) == list(segment("en", probe)):
+        logger.warning(f"--sentence_language {code!r}: sentencex has no rules for it and splits by its English rules")
 
 
 def fit_objective(config, tokenizer, source):

@@ -833,3 +833,12 @@ def test_pytorch_logs_its_arguments_after_its_checks(corpus, tmp_path, tiny_mode
     line = refusal(pytorch(tiny_model_dir, corpus, tmp_path / "a", "--do_train", "--model_type", "bert"))
     assert "--model_type bert, but" in line
     assert "Training/evaluation parameters" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("code, warned", [("xx", True), ("nb", True), ("RU", True), ("ru", False), ("ab", False)])
+def test_a_sentence_language_without_rules_of_its_own_warns(caplog, code, warned):
+    """sentencex splits a code it has no rules for (nb, a typo, the wrong case) by its English rules without a word;
+    one with rules of its own (ru) or a fallback to some (ab, to ru) splits by those."""
+    bart = script_module("flax/run_bart_dlm_flax.py")
+    bart.validate_objective(bart.DataTrainingArguments(sentence_language=code))
+    assert (f"--sentence_language {code!r}: sentencex has no rules for it" in caplog.text) == warned
