@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""What a checkpoint's digest costs a save: a Flax script's train state (roberta-base by default: RoBERTa's published
-sizes, new weights and Adam's two moments) saved by the script's own write_checkpoint, and its state_digest alone,
-each timed over --repeats saves into a temporary folder on the disk of --work_dir:
+"""What a checkpoint's digest and its model cost a save: a Flax script's train state (roberta-base by default:
+RoBERTa's published sizes, new weights and Adam's two moments) saved by the script's own write_checkpoint, without the
+model (the train state alone, as before checkpoints were models) and with it (stage_model, write_checkpoint and
+export_model, as save_checkpoint does; the tokenizer, a few MB, left out), and its state_digest alone, each timed over
+--repeats saves into a temporary folder on the disk of --work_dir, with each checkpoint's size on disk:
 
   python benchmarks/checkpoint_digest.py --repeats 3 --work_dir out/digest
 """
@@ -38,31 +40,39 @@ def main(argv=None):
     model_args = script.ModelArguments(model_type="roberta")
     training_args = script.TrainingArguments(output_dir="unused", do_train=True)
     plan = script.TrainingPlan(script.make_mesh(""), 1, 1, 0, 8, 8, total_steps=10)
-    _, state, _ = script.build_train_state(model_args, training_args, config, plan)
+    model, state, _ = script.build_train_state(model_args, training_args, config, plan)
     arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
     size = sum(x.nbytes for x in jax.tree_util.tree_leaves(arrays))
     script.state_digest(arrays)  # compiled once, as a run compiles it at its first save
     work = Path(tempfile.mkdtemp(dir=args.work_dir))
-    digests, saves = [], []
+    tokenizer = types.SimpleNamespace(save_pretrained=lambda folder: None)
+    times, disk = {"digest": [], "save_state": [], "save_with_model": []}, {}
     try:
         for repeat in range(args.repeats):
             start = time.perf_counter()
             script.state_digest(arrays)
-            digests.append(time.perf_counter() - start)
-            out = work / str(repeat)
-            out.mkdir()
-            checkpoints = script.checkpoint_manager(out, writes=True)
-            run = types.SimpleNamespace(args=training_args, objective={}, data={}, plan=plan, checkpoints=checkpoints)
-            start = time.perf_counter()
-            script.write_checkpoint(state, script.TrainingProgress(global_step=1), run)
-            saves.append(time.perf_counter() - start)
-            run.checkpoints.close()
-            shutil.rmtree(out)
+            times["digest"].append(time.perf_counter() - start)
+            for kind in ("save_state", "save_with_model"):
+                out = work / f"{kind}-{repeat}"
+                out.mkdir()
+                training_args.output_dir = str(out)
+                checkpoints = script.checkpoint_manager(out, writes=True)
+                run = types.SimpleNamespace(args=training_args, objective={}, data={}, plan=plan)
+                run.__dict__.update(checkpoints=checkpoints, model=model, tokenizer=tokenizer)
+                start = time.perf_counter()
+                staged = script.stage_model(state.params["model"], run) if kind == "save_with_model" else None
+                script.write_checkpoint(state, script.TrainingProgress(global_step=1), run, staged)
+                script.export_model(staged, run)
+                times[kind].append(time.perf_counter() - start)
+                run.checkpoints.close()
+                disk[kind] = sum(f.stat().st_size for f in (out / "checkpoint-1").rglob("*") if f.is_file())
+                shutil.rmtree(out)
     finally:
         shutil.rmtree(work)
-    digest, save = statistics.median(digests), statistics.median(saves)
-    result = dict(state_mb=round(size / 2**20, 1), digest_s=round(digest, 3), save_s=round(save, 3))
-    result.update(digest_share_of_save=round(digest / save, 3), digests_s=digests, saves_s=saves)
+    median = {kind: statistics.median(values) for kind, values in times.items()}
+    result = dict(state_mb=round(size / 2**20, 1), **{f"{k}_s": round(v, 3) for k, v in median.items()})
+    result.update({f"checkpoint_{k}_mb": round(v / 2**20, 1) for k, v in disk.items()})
+    result.update(digest_share_of_save=round(median["digest"] / median["save_state"], 3), times_s=times)
     print(json.dumps(result))
 
 

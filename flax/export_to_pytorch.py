@@ -164,6 +164,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     weights = os.path.join(args.model_dir, "flax_model.msgpack")
+    if not os.path.isfile(weights) and os.path.isdir(os.path.join(args.model_dir, "trainer_state")):
+        fail(
+            f"--model_dir {args.model_dir} is a training checkpoint of an earlier release, which held no model: "
+            "export the model its run saved in the folder above, or a checkpoint written since"
+        )
     if not os.path.isfile(weights):
         fail(f"--model_dir {args.model_dir} has no flax_model.msgpack")
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):

@@ -101,7 +101,7 @@ def check_stack(script, stack):
                 else "bash run.sh setup, then source .venv/bin/activate"
             )
         )
-    jax = "jax==0.12.1 jaxlib==0.12.1 flax==0.12.12" if current else "jax==0.9.2 jaxlib==0.9.2 flax==0.12.6"
+    jax = "jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12" if current else "jax==0.9.2 jaxlib==0.9.2 flax==0.12.6"
     for name, oldest in stack.items():
         if tuple(int(part) for part in re.findall(r"\d+", versions[name])[:3]) < tuple(map(int, oldest.split("."))):
             sys.exit(
@@ -140,7 +140,7 @@ from flax.training import train_state
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: no public equivalent
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, HfArgumentParser, set_seed
@@ -180,13 +180,20 @@ class TrainingArguments:
     adam_epsilon: float = arg(1e-8, "Epsilon for AdamW optimizer.")
     adafactor: bool = arg(False, "Whether or not to replace AdamW by Adafactor.")
     num_train_epochs: float = arg(3.0, "Total number of training epochs (may be fractional).")
-    max_steps: int = arg(-1, "If > 0: total number of training steps; overrides num_train_epochs.")
+    max_steps: int = arg(-1, "If > 0: total number of training steps; overrides num_train_epochs (-1: unset).")
     warmup_steps: int = arg(0, "Linear warmup over warmup_steps.")
     logging_steps: int = arg(500, "Log every X updates steps.")
     save_steps: int = arg(500, "Save a checkpoint every X updates steps.")
-    save_total_limit: int | None = arg(None, "Keep only the newest N checkpoint-* folders.")
+    save_total_limit: int | None = arg(None, "Keep only the newest N checkpoint-* folders (and the best one).")
+    load_best_model_at_end: bool = arg(False, "Save, as the final model, the best checkpoint's (needs --eval_steps).")
+    metric_for_best_model: str | None = arg(None, "With --load_best_model_at_end: an eval_<name> (default: loss).")
+    greater_is_better: bool | None = arg(
+        None, "Whether a larger --metric_for_best_model is better (default: not a loss)."
+    )
     resume_from_checkpoint: str | None = arg(
-        None, "Checkpoint to continue; alone: the newest in output_dir.", metadata={"nargs": "?", "const": "True"}
+        None,
+        "Checkpoint to continue (with --do_eval alone: to evaluate); alone: the last saved in output_dir.",
+        metadata={"nargs": "?", "const": "True"},
     )
     ignore_data_skip: bool = arg(False, "Resume on changed data from the start of the saved epoch, not refuse.")
     eval_steps: int | None = arg(None, "Run an evaluation every X steps (default: every epoch).")
@@ -608,6 +615,8 @@ def main(argv=None):
             state, train_metrics, last_eval = train(state, train_step, run, progress)
         write_results(training_args.output_dir, "train", {**train_metrics, LENGTH_FLAG: max_seq_length})
         run.checkpoints.close()
+        if training_args.load_best_model_at_end:
+            state, last_eval = load_best_model(state, run, progress, last_eval)
     params = state.params
     del state  # evaluation needs no optimizer state
     if training_args.do_eval:
@@ -785,12 +794,32 @@ def after_step(state, run, progress, loop, end_of_epoch, agreement):
     if step % args.save_steps == 0 or last or stop:
         with loop.paused():
             fetch_metrics(loop, progress)
-            progress.last_checkpoint = save_checkpoint(state, progress, run)
+            progress.last_checkpoint = save_checkpoint(state, progress, run, loop.last_eval)
     if stop:
         where = f"stopped at step {step} on {signal.Signals(stop).name}; {progress.last_checkpoint} saved"
         tqdm.write(f"{where}; rerun with --resume_from_checkpoint", file=sys.stderr)
         raise SystemExit(128 + stop)
     return logged
+
+
+def load_best_model(state, run, progress, last_eval):
+    """--load_best_model_at_end: the best checkpoint's parameters in place of the last step's, its model output_dir's;
+    returns the state and the evaluation of its parameters, under the best checkpoint's step in the log."""
+    best, (metric, _) = progress.best_model_checkpoint, best_metric(run.args)
+    if best is None:
+        logger.warning("--load_best_model_at_end: no checkpoint was evaluated; the last step's model stays")
+        return state, last_eval
+    logger.info(f"The best checkpoint: {best} ({metric} {progress.best_metric:.6g}); its model is output_dir's")
+    if os.path.abspath(best) == os.path.abspath(progress.last_checkpoint):
+        return state, last_eval
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+    try:
+        arrays, _ = read_checkpoint(best, {"params": abstract})
+    except ValueError as e:
+        fail(f"--load_best_model_at_end: {best} is damaged ({e}); output_dir keeps the last step's model")
+    export_model(stage_model(arrays["params"]["model"], run), run)
+    step = int(Path(best).name.split("-")[1])
+    return state.replace(params=arrays["params"]), (progress.global_step, evaluate(arrays["params"], run, step))
 
 
 def evaluate_and_write_results(params, run, progress, last_eval):
@@ -913,6 +942,7 @@ IN_MEMORY_ONLY = ("--preprocessing_num_workers", "--overwrite_cache", "--validat
 STREAM_ONLY = ("--shuffle_buffer_size",)
 EVAL_ONLY = ("--eval_steps", "--per_device_eval_batch_size", "--max_eval_samples")
 UPSTREAM_ONLY = ("--train_ref_file", "--validation_ref_file")
+BEST_ONLY, BEST_NEEDS = ("--metric_for_best_model", "--greater_is_better"), "--load_best_model_at_end needs "
 WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
 
 
@@ -954,6 +984,16 @@ def validate_args(model_args, data_args, training_args):
         (not args.do_train and not args.do_eval, "nothing to do: pass --do_train and/or --do_eval"),
         (not 0 < (data.validation_split_percentage or 0) < 100, "--validation_split_percentage: between 0 and 100"),
         (max(args.max_steps, args.num_train_epochs) <= 0, "--num_train_epochs must be positive, or give --max_steps"),
+        (args.max_steps == 0 or args.max_steps < -1, f"--max_steps {args.max_steps}: positive, or -1 (unset: epochs)"),
+        (
+            args.load_best_model_at_end and not (args.do_train and args.do_eval),
+            BEST_NEEDS + "--do_train and --do_eval",
+        ),
+        (
+            args.load_best_model_at_end and not (args.eval_steps and args.save_steps % args.eval_steps == 0),
+            BEST_NEEDS
+            + "--eval_steps, and --save_steps a round multiple of it (as the Trainer): every save evaluated",
+        ),
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
         (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
         (kind not in (None, *MODEL_TYPES), f"--model_type {kind!r}: choose one of {', '.join(MODEL_TYPES)}"),
@@ -967,6 +1007,7 @@ def validate_args(model_args, data_args, training_args):
         (IN_MEMORY_ONLY if streamed else STREAM_ONLY, f"no effect {'with' if streamed else 'without'} --streaming"),
         (EVAL_ONLY * (not args.do_eval), "no effect without --do_eval (no evaluation will run)"),
         (UPSTREAM_ONLY, "accepted as upstream, not used (no whole-word masking by reference file)"),
+        (BEST_ONLY * (not args.load_best_model_at_end), "no effect without --load_best_model_at_end"),
     ):
         if unused := [flag for flag in given if flag in names]:
             logger.warning(f"{', '.join(unused)}: {why}")
@@ -986,11 +1027,18 @@ def validate_args(model_args, data_args, training_args):
                 "see tokenizers/prepare_corpus.py), or set HF_HUB_OFFLINE=1 to use a copy in the local cache"
             )
         if flag in ("config_name", "model_name_or_path") and path and os.path.isdir(path):
-            if os.path.isdir(os.path.join(path, "trainer_state")):
+            checkpoint = os.path.isdir(os.path.join(path, "trainer_state"))
+            if checkpoint and not os.path.isfile(os.path.join(path, "config.json")):
                 fail(
-                    f"--{flag} {path} is a training checkpoint, not a model: continue its run with --output_dir "
-                    f"{os.path.dirname(os.path.abspath(path))} --resume_from_checkpoint, or start from the model that "
-                    "run saved in that folder"
+                    f"--{flag} {path} is a training checkpoint of an earlier release, which held no model: "
+                    f"evaluate it with --do_eval --resume_from_checkpoint {path}, continue its run with --output_dir "
+                    f"{os.path.dirname(os.path.abspath(path))} --resume_from_checkpoint {path}, or start from the "
+                    "model that run saved in that folder"
+                )
+            if checkpoint and flag == "model_name_or_path" and training_args.do_train:
+                logger.warning(
+                    f"--{flag} {path}: a new run from the model of that checkpoint, with a fresh optimizer, schedule "
+                    f"and data order (--resume_from_checkpoint {path} would continue its run instead)"
                 )
             if not os.path.isfile(os.path.join(path, "config.json")):
                 fail(f"--{flag} {path} holds no config.json; write one with tokenizers/create_config.py")
@@ -1713,10 +1761,10 @@ def plan_training(training_args, dataset, max_seq_length):
             "no training step to run: "
             f"--num_train_epochs {args.num_train_epochs} x {plan.steps_per_epoch} steps per epoch"
         )
-    if args.warmup_steps > plan.total_steps:
+    if args.warmup_steps >= plan.total_steps:  # the last step's rate is the schedule's at step total_steps - 1
         logger.warning(
-            f"--warmup_steps {args.warmup_steps} is more than the {plan.total_steps} training steps: the learning "
-            f"rate only reaches {args.learning_rate * plan.total_steps / args.warmup_steps:.3g}, "
+            f"--warmup_steps {args.warmup_steps} is not less than the {plan.total_steps} training steps: the learning "
+            f"rate only reaches {args.learning_rate * (plan.total_steps - 1) / args.warmup_steps:.3g}, "
             f"not --learning_rate {args.learning_rate:g}"
         )
     overridden = f" (--max_steps {args.max_steps}: --num_train_epochs is unused)" if args.max_steps > 0 else ""
@@ -2021,6 +2069,8 @@ class TrainingProgress:
     log_window: list = field(default_factory=list)  # loss_sums' [sum, count] pairs of each step since the last log
     loss_sum: float = 0.0  # the training losses of every step so far, for train_loss
     stream: dict | None = None  # streamed: where this process is in its share (see stream_rows)
+    best_metric: float | None = None  # --load_best_model_at_end: the best evaluation's --metric_for_best_model
+    best_model_checkpoint: str | None = None  # and its checkpoint
     last_checkpoint: str | None = None
 
 
@@ -2116,7 +2166,7 @@ def stop_diverged(step, what, progress, first_step=0):
         fail(
             f"step {step}: {what} at the first step after resuming from {progress.last_checkpoint}; nothing was "
             "saved. That checkpoint matched its digest, so it holds the state as it was saved: resume from an "
-            "earlier checkpoint-N with --resume_from_checkpoint PATH, or start afresh with --overwrite_output_dir"
+            "earlier checkpoint-N with --resume_from_checkpoint PATH, or start afresh in another --output_dir"
         )
     fail(
         f"step {step}: {what}; training stopped and nothing from this step on was saved; "
@@ -2175,6 +2225,12 @@ def train_summary(plan, progress, loop):
 
 
 # --- checkpoints and results -------------------------------------------------------------------------------------
+# A checkpoint-N folder is a model, as the Trainer's: config.json, the weights and the tokenizer in from_pretrained
+# form (save_model's: what from_pretrained, --model_name_or_path and flax/export_to_pytorch.py read), beside Orbax's
+# items: state (step, params, opt_state) and trainer_state (JSON: the progress, what a resume checks against, the best
+# checkpoint so far, the format, and a digest of the arrays, the JSON and the model's files). Format 1 (an earlier
+# release) held neither digest nor model, format 2 no model: both still resume, and evaluate.
+CHECKPOINT_FORMAT = 3
 
 
 class CheckpointNames(ocp.step.NameFormat):
@@ -2199,47 +2255,58 @@ def complete_checkpoint(path):
     return ocp.utils.is_checkpoint_finalized(path) and os.path.isdir(os.path.join(path, "trainer_state"))
 
 
-def checkpoint_manager(directory, save_total_limit=None, writes=False):
+def last_saved_first(directory):
+    """The complete checkpoint-N folders of `directory`, the last saved first (by Orbax's commit time): after a branch
+    from an earlier checkpoint, the branch's own, whatever their numbers."""
+
+    def saved_at(path):
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((path / "_CHECKPOINT_METADATA").read_text())["commit_timestamp_nsecs"]
+        return (path / "_CHECKPOINT_METADATA").stat().st_mtime_ns
+
+    found = [Path(m.path) for m in CheckpointNames().find_all(directory)]
+    return [str(path) for path in sorted(found, key=lambda path: (saved_at(path), path.name), reverse=True)]
+
+
+def checkpoint_manager(directory, writes=False):
     """Orbax's CheckpointManager of the checkpoint-N folders of `directory` (train state, progress as JSON); one
-    that writes first removes what a killed run left incomplete, and keeps the newest --save_total_limit."""
+    that writes first removes what a killed run left incomplete. It deletes nothing itself: drop_old_checkpoints."""
     handlers = {"state": ocp.StandardCheckpointHandler(), "trainer_state": ocp.JsonCheckpointHandler()}
-    options = dict(max_to_keep=save_total_limit, step_name_format=CheckpointNames(), create=writes)
-    options.update(cleanup_tmp_directories=writes, enable_async_checkpointing=False, save_root_metadata=False)
-    options = ocp.CheckpointManagerOptions(**options)
+    options = dict(step_name_format=CheckpointNames(), create=writes, cleanup_tmp_directories=writes)
+    options = ocp.CheckpointManagerOptions(**options, enable_async_checkpointing=False, save_root_metadata=False)
     return ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers, options=options)  # absolute only
 
 
 def find_checkpoint(training_args, model_args):
-    """The checkpoints to resume from, newest first, or None; refuses an output_dir that holds another run's files."""
+    """The checkpoints to resume from (with --do_eval alone: to evaluate), the last saved first, or None; refuses an
+    output_dir that holds another run's files."""
     output_dir, resume = training_args.output_dir, (training_args.resume_from_checkpoint or "false").lower()
-    complete = sorted((m.step, str(m.path)) for m in CheckpointNames().find_all(output_dir))
+    complete = last_saved_first(output_dir)
     for path in Path(output_dir).glob("checkpoint-*") if os.path.isdir(output_dir) else []:
         if not ocp.utils.is_checkpoint_finalized(path):
             logger.warning(f"skipping {path}: an incomplete checkpoint (a run was stopped while writing it)")
-    if resume != "false" and not training_args.do_train:
-        fail("--resume_from_checkpoint needs --do_train")
+    checkpoints = None
     if resume not in ("true", "false"):
         path = training_args.resume_from_checkpoint
         if not (re.fullmatch(r"checkpoint-\d+", Path(path).name) and complete_checkpoint(path)):
-            inside = sorted(m.step for m in CheckpointNames().find_all(path))
-            if inside:  # a run's own folder, given where one of its checkpoints is meant
+            if inside := last_saved_first(path):  # a run's own folder, given where one of its checkpoints is meant
                 fail(
-                    f"--resume_from_checkpoint {path} is a run's folder: name one of its checkpoints "
-                    f"({Path(path) / f'checkpoint-{inside[-1]}'}), or pass the flag alone with --output_dir {path}"
+                    f"--resume_from_checkpoint {path} is a run's folder: name one of its checkpoints ({inside[0]}), "
+                    f"or pass the flag alone with --output_dir {path}"
                 )
             fail(f"--resume_from_checkpoint {path} is not a complete checkpoint-N folder written by this script")
-        return [path]
-    if resume == "true":
-        return [path for _, path in reversed(complete)] or fail(
+        checkpoints = [path]
+    elif resume == "true":
+        checkpoints = complete or fail(
             f"--resume_from_checkpoint: {output_dir} holds no complete checkpoint-N folder; "
             "drop the flag to start afresh"
         )
-    if training_args.overwrite_output_dir or not os.path.isdir(output_dir):
-        return None
+    if (checkpoints and training_args.do_train) or training_args.overwrite_output_dir or not os.path.isdir(output_dir):
+        return checkpoints
     if training_args.do_train and complete:
         fail(
-            f"{output_dir} holds a run's checkpoints up to {complete[-1][1]}: "
-            "add --resume_from_checkpoint to continue it, or --overwrite_output_dir to start afresh"
+            f"{output_dir} holds a run's checkpoints, the last saved {complete[0]}: add --resume_from_checkpoint to "
+            "continue it, or start afresh in another --output_dir"
         )
     if training_args.do_train and set(os.listdir(output_dir)) - {".lock", "noised_examples.jsonl"}:
         fail(f"output directory {output_dir} is not empty; pass --overwrite_output_dir to write into it")
@@ -2248,17 +2315,18 @@ def find_checkpoint(training_args, model_args):
     own_model = model is not None and os.path.realpath(model) == os.path.realpath(output_dir)
     if results and (results[0] == "eval_results.json" or not own_model):
         fail(
-            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); "
-            "pass --overwrite_output_dir to replace them, or choose another --output_dir"
+            f"{output_dir} already holds another evaluation's or model's results ({results[0]}); pass "
+            "--overwrite_output_dir to replace those files (an evaluation deletes nothing else), or choose another "
+            "--output_dir"
         )
-    return None
+    return checkpoints
 
 
 def open_checkpoints(run, state, progress, fresh_start):
     """The manager this run saves with, once the disk has room for its first checkpoint (checked before Orbax's
     threads start: a refusal leaves none behind). A fresh run into a used output_dir (--overwrite_output_dir) first
     removes the earlier run's checkpoints and results, so that no later resume can pick one and no result file mixes
-    two runs."""
+    two runs; a run resumed from before output_dir's last checkpoints sets those apart (set_aside)."""
     training_args = run.args
     first = min(
         run.plan.total_steps, (progress.global_step // training_args.save_steps + 1) * training_args.save_steps
@@ -2266,7 +2334,9 @@ def open_checkpoints(run, state, progress, fresh_start):
     earlier = Path(training_args.output_dir).glob("checkpoint-*/**/*") if fresh_start else ()  # removed below
     path = os.path.join(training_args.output_dir, f"checkpoint-{first}")
     check_free_space(state, progress, run, path, sum(f.stat().st_size for f in earlier if f.is_file()))
-    manager = checkpoint_manager(training_args.output_dir, training_args.save_total_limit, writes=True)
+    if not fresh_start:
+        set_aside(training_args.output_dir, progress.global_step)
+    manager = checkpoint_manager(training_args.output_dir, writes=True)
     for leftover in Path(training_args.output_dir).glob(".tmp-save-*"):  # from a save killed midway
         shutil.rmtree(leftover)
     for step in manager.all_steps() if fresh_start else []:
@@ -2278,14 +2348,34 @@ def open_checkpoints(run, state, progress, fresh_start):
     return manager
 
 
-def save_checkpoint(state, progress, run):
-    """checkpoint-{step} (train state, data position; the oldest beyond --save_total_limit dropped), then the model
-    in from_pretrained form in output_dir and the hub repository updated; returns its path."""
+def set_aside(output_dir, step):
+    """A run resumed at `step`, before checkpoints of output_dir with later steps (a branch from an earlier
+    checkpoint), moves those whole into a folder of their own: each is still a model, and resumable by its path. Left
+    in place, the branch would replace them as it passed their steps, and --save_total_limit would count them."""
+    later = sorted((int(Path(path).name.split("-")[1]), path) for path in last_saved_first(output_dir))
+    later = [path for saved_step, path in later if saved_step > step]
+    if not later:
+        return
+    if jax.process_index() == 0:
+        aside = tempfile.mkdtemp(prefix=f"set-aside-{datetime.datetime.now():%Y%m%d-%H%M%S}-", dir=output_dir)
+        for path in later:
+            os.replace(path, os.path.join(aside, os.path.basename(path)))
+        names = ", ".join(os.path.basename(path) for path in later)
+        logger.warning(f"resuming at step {step}, before {names} of the run it left: those moved, whole, to {aside}")
+    multihost_utils.sync_global_devices("set_aside")
+
+
+def save_checkpoint(state, progress, run, last_eval=None):
+    """checkpoint-{step} (train state, data position, the model in from_pretrained form), the model in output_dir and
+    the hub repository updated, then the checkpoints beyond --save_total_limit dropped (never the best); returns its
+    path. `last_eval` ((step, metrics), the latest evaluation) names the best checkpoint, --load_best_model_at_end."""
     path = os.path.join(run.args.output_dir, f"checkpoint-{progress.global_step}")
-    check_savable(state, progress, run, path)
+    track_best(progress, path, run.args, last_eval)
     try:
-        write_checkpoint(state, progress, run)
-        export_model(state.params["model"], run)
+        check_savable(state, progress, run, path)
+        staged = stage_model(state.params["model"], run)
+        write_checkpoint(state, progress, run, staged)
+        export_model(staged, run)
     except (OSError, ValueError) as e:  # a full disk, a quota, a vanished folder; Orbax wraps some in ValueError
         if runtime_failed(e):
             raise
@@ -2295,12 +2385,57 @@ def save_checkpoint(state, progress, run):
         api, repo_id, token = run.hub
         message = f"Saving weights and logs of step {progress.global_step}"
         api.upload_folder(repo_id=repo_id, folder_path=run.args.output_dir, commit_message=message, token=token)
+    drop_old_checkpoints(run, progress, path)
     return path
 
 
+def track_best(progress, path, args, last_eval):
+    """With --load_best_model_at_end: `path` becomes progress's best checkpoint (the Trainer's best_metric and
+    best_model_checkpoint, saved in trainer_state) where the evaluation at its step is better than the best so far."""
+    if not args.load_best_model_at_end or last_eval is None or last_eval[0] != progress.global_step:
+        return
+    metric, greater = best_metric(args)
+    if metric not in last_eval[1]:
+        fail(
+            f"--metric_for_best_model {args.metric_for_best_model}: the evaluation has no {metric}; choose one of "
+            + ", ".join(name for name in last_eval[1] if name.startswith("eval_"))
+        )
+    value, best = last_eval[1][metric], progress.best_metric
+    if best is None or (value > best if greater else value < best):
+        progress.best_metric, progress.best_model_checkpoint = value, path
+
+
+def best_metric(args):
+    """--metric_for_best_model as its key in the evaluation's results (the Trainer's default: loss), and whether a
+    larger value is better (the Trainer's default: unless it is a loss)."""
+    name = args.metric_for_best_model or "loss"
+    name = name if name.startswith("eval_") else f"eval_{name}"
+    return name, args.greater_is_better if args.greater_is_better is not None else not name.endswith("loss")
+
+
+def drop_old_checkpoints(run, progress, path):
+    """Removes the checkpoints beyond the newest --save_total_limit, but the best; a removal that fails warns (the new
+    checkpoint is whole), and training goes on."""
+    limit, best = run.args.save_total_limit, progress.best_model_checkpoint
+    steps = sorted(run.checkpoints.all_steps())
+    for step in steps[: -limit or None] if limit else []:
+        old = os.path.join(run.args.output_dir, f"checkpoint-{step}")
+        if best is None or os.path.abspath(old) != os.path.abspath(best):
+            try:
+                run.checkpoints.delete(step)
+            except OSError as e:
+                logger.warning(
+                    f"{path} is saved; removing {old}, beyond --save_total_limit {limit}, failed: {first_line(e)}"
+                )
+
+
 def last_intact(progress):
-    last = progress.last_checkpoint and f"the last complete checkpoint, {progress.last_checkpoint}, is intact"
-    return last or "no checkpoint is complete"
+    last = progress.last_checkpoint
+    return (
+        f"the last complete checkpoint, {last}, is intact"
+        if last and complete_checkpoint(last)
+        else ("no checkpoint of this run is left complete")
+    )
 
 
 def check_savable(state, progress, run, path):
@@ -2314,9 +2449,11 @@ def check_savable(state, progress, run, path):
 
 
 def check_free_space(state, progress, run, path, freed=0):
-    """Stops where the disk lacks room for checkpoint `path` and the model's weights, before training (with `freed`
-    bytes about to be removed) and before each save (Orbax's writer threads do not stop on a full disk)."""
-    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state, state.params["model"])))
+    """Stops where the disk lacks room for checkpoint `path` (the model's weights twice: in it and in output_dir),
+    before training (with `freed` bytes about to be removed) and before each save (Orbax's writer threads do not stop
+    on a full disk)."""
+    model = state.params["model"]
+    needed = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state, model, model)))
     if (free := shutil.disk_usage(run.args.output_dir).free + freed) < 1.1 * needed + (1 << 20):
         fail(
             f"cannot write {path}: it needs about {needed / 2**20:.1f} MB and the disk has {free / 2**20:.1f} MB "
@@ -2325,15 +2462,31 @@ def check_free_space(state, progress, run, path, freed=0):
         )
 
 
-def write_checkpoint(state, progress, run):
-    """Orbax's checkpoint-{step}: the train state, and as JSON the progress and what a resume checks against."""
+def write_checkpoint(state, progress, run, staged):
+    """Orbax's checkpoint-{step}: the train state, and as JSON the progress, what a resume checks against and a digest
+    of it all; then the model's files (`staged`, stage_model's folder: process 0's) copied in beside them."""
     trainer_state = {k: v for k, v in vars(progress).items() if k != "last_checkpoint"}
     trainer_state.update(stream=progress.stream and gather_json(progress.stream), objective=run.objective)
     trainer_state.update(data=run.data, schedule=[run.plan.total_steps, run.args.warmup_steps, run.args.learning_rate])
+    trainer_state["format"] = CHECKPOINT_FORMAT
     arrays = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    trainer_state["digest"] = {"state": state_digest(arrays), "trainer_state": json_digest(trainer_state)}
+    model = {name: file_digest(os.path.join(staged, name)) for name in files_under(staged)} if staged else {}
+    trainer_state["digest"] = {"state": state_digest(arrays), "model": model}
+    trainer_state["digest"]["trainer_state"] = json_digest(trainer_state)
     save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
     run.checkpoints.save(progress.global_step, args=save, force=True)
+    if staged:  # copies, not links: a model written over output_dir's in place must not change the checkpoint's
+        path = os.path.join(run.args.output_dir, f"checkpoint-{progress.global_step}")
+        shutil.copytree(staged, path, dirs_exist_ok=True)
+
+
+def files_under(folder):
+    return sorted(str(path.relative_to(folder)) for path in Path(folder).rglob("*") if path.is_file())
+
+
+def file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def state_digest(arrays):
@@ -2357,38 +2510,66 @@ def bit_sums(leaves):
 
 
 def json_digest(trainer_state):
-    """sha256 of the trainer state (the data position, progress, settings), its digest left out."""
-    text = json.dumps({k: v for k, v in trainer_state.items() if k != "digest"}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    """sha256 of the trainer state (the data position, progress and settings; from format 3 the digests of the arrays
+    and the model's files too), all but this digest itself."""
+    kept = {k: v for k, v in trainer_state.items() if k != "digest"}
+    if trainer_state.get("format", 2) >= 3:
+        kept["digest"] = {k: v for k, v in trainer_state["digest"].items() if k != "trainer_state"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
-def check_digest(restored):
-    """ValueError naming the first part of a restored checkpoint that differs from the digest written with it."""
-    saved = restored["trainer_state"].get("digest")
+def check_digest(restored, path):
+    """ValueError naming the first part of a restored checkpoint that differs from the digest written with it. One of
+    an earlier release without a digest (format 1) is read with a warning: only what stops its reading is found."""
+    trainer_state = restored["trainer_state"]
+    saved = trainer_state.get("digest")
+    version = trainer_state.get("format", 1 if saved is None else 2)
+    if version > CHECKPOINT_FORMAT:
+        fail(
+            f"{path} was written by a later release of this script (checkpoint format {version}; this copy reads up "
+            f"to {CHECKPOINT_FORMAT}): update the script to use it"
+        )
     if saved is None:
-        raise ValueError("it holds no digest to check it against (written by an older copy of this script?)")
-    if json_digest(restored["trainer_state"]) != saved["trainer_state"]:
+        logger.warning(f"{path} was written by an earlier release, without a digest: it is read unverified")
+        return
+    if json_digest(trainer_state) != saved["trainer_state"]:
         raise ValueError("trainer_state differs from the digest written with it: the file changed after the save")
+    # A namedtuple's field (an optimizer state's, as training holds it) and a dict's key (as read without a target)
+    # are the same array: one name for both, [0].count as [0]['count'].
+    canonical = functools.partial(re.sub, r"\.(\w+)", r"['\1']")
+    expected = {canonical(name): digest for name, digest in saved["state"].items()}
     for name, digest in state_digest(restored["state"]).items():
-        if saved["state"].get(name) != digest:
+        if expected.get(canonical(name)) != digest:
             raise ValueError(f"state{name} differs from the digest written with it: the file changed after the save")
+    for name, digest in saved.get("model", {}).items():
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ValueError(f"the model's {name} is missing")
+        if file_digest(os.path.join(path, name)) != digest:
+            raise ValueError(f"the model's {name} differs from the digest written with it: it changed after the save")
 
 
-def export_model(params, run):
-    """The model (save_model) and tokenizer in from_pretrained form in output_dir, moved in from a folder of this
-    run's own, so that a crash mid-save leaves the last export whole; every process takes part in the gather."""
+def stage_model(params, run):
+    """The model (save_model) and tokenizer in from_pretrained form, in a folder of this run's own in output_dir, for
+    the checkpoint and export_model; process 0's (None on the others), every process taking part in the gather."""
     params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() != 0:
+        return None
+    staged = tempfile.mkdtemp(prefix=".tmp-save-", dir=run.args.output_dir)
+    save_model(run.model, params, staged)
+    run.tokenizer.save_pretrained(staged)
+    return staged
+
+
+def export_model(staged, run):
+    """stage_model's files moved into output_dir, so that a crash mid-save leaves the last export whole."""
+    if staged is None:
         return
     output_dir = run.args.output_dir
-    tmp_dir = tempfile.mkdtemp(prefix=".tmp-save-", dir=output_dir)
-    save_model(run.model, params, tmp_dir)
-    run.tokenizer.save_pretrained(tmp_dir)
-    for name in os.listdir(tmp_dir):
+    for name in os.listdir(staged):
         if os.path.isdir(os.path.join(output_dir, name)):  # a folder of an earlier save (a second model's)
             shutil.rmtree(os.path.join(output_dir, name))
-        os.replace(os.path.join(tmp_dir, name), os.path.join(output_dir, name))
-    os.rmdir(tmp_dir)
+        os.replace(os.path.join(staged, name), os.path.join(output_dir, name))
+    os.rmdir(staged)
 
 
 def gather_json(value):
@@ -2400,22 +2581,38 @@ def gather_json(value):
 
 
 def restore_checkpoint(paths, abstract_state, run):
-    """The state and progress of the first of `paths` that restores (a damaged one is skipped, unless named), checked
-    against this run: the model's shapes and, unless --ignore_data_skip, the data position; other settings warn."""
+    """The state and progress of the first of `paths` that restores (a damaged one is skipped, unless named): to
+    resume, checked against this run (check_resume); with --do_eval alone, its parameters only, to evaluate."""
+    target = {"params": abstract_state.params}
+    if run.args.do_train:
+        target.update(step=abstract_state.step, opt_state=abstract_state.opt_state)
     for path in paths:
         try:
-            state, saved = read_checkpoint(path, abstract_state)
+            arrays, saved = read_checkpoint(path, target)
             break
         except ValueError as e:
-            if len(paths) == 1 and run.args.resume_from_checkpoint.lower() != "true":
-                fail(
-                    f"--resume_from_checkpoint {path} is damaged: {e}; resume from another checkpoint, or start afresh"
-                )
+            if len(paths) == 1 and (run.args.resume_from_checkpoint or "").lower() != "true":
+                fail(f"--resume_from_checkpoint {path} is damaged: {e}; name another checkpoint, or start afresh")
             logger.warning(f"skipping {path}: damaged ({e})")
     else:
-        fail(f"no checkpoint in {run.args.output_dir} can be restored; start afresh with --overwrite_output_dir")
+        fail(
+            f"no checkpoint in {run.args.output_dir} can be restored (each is damaged, above); start afresh in "
+            "another --output_dir, or with --overwrite_output_dir, which removes them"
+        )
     names = ("global_step", "epoch", "batch_in_epoch", "log_window", "loss_sum", "stream")
-    progress, plan = TrainingProgress(**{k: saved[k] for k in names}, last_checkpoint=path), run.plan
+    progress = TrainingProgress(**{k: saved[k] for k in names}, last_checkpoint=path)
+    progress.best_metric, progress.best_model_checkpoint = saved.get("best_metric"), saved.get("best_model_checkpoint")
+    if not run.args.do_train:
+        logger.info(f"Evaluating the model of step {progress.global_step} from {path}")
+        return abstract_state.replace(params=arrays["params"]), progress
+    check_resume(path, saved, progress, run)
+    return abstract_state.replace(**arrays), progress
+
+
+def check_resume(path, saved, progress, run):
+    """A resume of checkpoint `path` is refused where its data position means nothing here (unless
+    --ignore_data_skip) or it has nothing left to train; other objective settings or schedule warn."""
+    plan = run.plan
     progress.stream = progress.stream and progress.stream[plan.process_index]  # every process's position is saved
     changed = ", ".join(f"{k} {v} -> {run.data.get(k)}" for k, v in saved["data"].items() if run.data.get(k) != v)
     if changed and not run.args.ignore_data_skip:
@@ -2441,36 +2638,52 @@ def restore_checkpoint(paths, abstract_state, run):
     if progress.global_step >= plan.total_steps:
         fail(
             f"{path} is at step {progress.global_step} and this run ends at step {plan.total_steps}: "
-            "nothing left to train, every file left as it was; raise --max_steps or --num_train_epochs to train on"
+            "nothing left to train, every file left as it was; raise --max_steps or --num_train_epochs to train on, "
+            f"or evaluate it with --do_eval alone"
         )
     logger.info(f"Resuming at step {progress.global_step} from {path}")
-    return state, progress
 
 
-def read_checkpoint(path, abstract_state):
-    """A checkpoint's train state and trainer state; ValueError names a damaged part; other shapes are refused."""
+def read_checkpoint(path, target=None):
+    """The arrays of checkpoint `path` ({"step", "params", "opt_state"}) and its trainer state, checked against its
+    digest: what a resume, an evaluation, a copy or a notebook reads (flax/compare_checkpoints.py compares two). Any of
+    the three in `target` (shapes with shardings, as build_train_state(abstract=True) gives) is placed so, on any mesh;
+    the others, or all without it, each whole on this process's first device (a laptop's one CPU). ValueError names a
+    damaged part; parameters of other shapes than target's are refused."""
     manager, step = checkpoint_manager(os.path.dirname(os.path.abspath(path))), int(Path(path).name.split("-")[1])
     parts = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "trainer_state/metadata")
     if missing := [part for part in parts if not os.path.isfile(os.path.join(path, part))]:
         raise ValueError(f"{missing[0]} is missing")
     try:
         with quiet_closed_loop_tracebacks(), contextlib.closing(manager):
-            stored = dict(jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"]["params"])[0])
-            for key, leaf in jax.tree_util.tree_flatten_with_path(abstract_state.params)[0]:
-                if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
-                    there = "missing" if key not in stored else tuple(stored[key].shape)
-                    fail(
-                        f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and "
-                        f"{tuple(leaf.shape)} here; resume with the config that wrote it, "
-                        "or start afresh with --overwrite_output_dir"
-                    )
-            target = {name: getattr(abstract_state, name) for name in ("step", "params", "opt_state")}
+            stored = manager.item_metadata(step)["state"]
+            if target and "params" in target:
+                check_shapes(path, stored["params"], target["params"])
+            whole = functools.partial(jax.ShapeDtypeStruct, sharding=SingleDeviceSharding(jax.local_devices()[0]))
+            target = {
+                name: target[name]
+                if target and name in target
+                else jax.tree.map(lambda m: whole(m.shape, m.dtype), tree)
+                for name, tree in stored.items()
+            }
             restore = ocp.args.Composite(state=ocp.args.StandardRestore(target), trainer_state=ocp.args.JsonRestore())
             restored = manager.restore(step, args=restore)
     except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds on damaged files
         raise ValueError(f"{type(e).__name__}: {first_line(e)}") from None
-    check_digest(restored)
-    return abstract_state.replace(**restored["state"]), restored["trainer_state"]
+    check_digest(restored, path)
+    return restored["state"], restored["trainer_state"]
+
+
+def check_shapes(path, stored, params):
+    """Refuses a checkpoint whose parameters (`stored`, Orbax's metadata) have other names or shapes than `params`."""
+    stored = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
+    for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if key not in stored or tuple(stored[key].shape) != tuple(leaf.shape):
+            there = "missing" if key not in stored else tuple(stored[key].shape)
+            fail(
+                f"{path} holds a model of another shape: {jax.tree_util.keystr(key)} is {there} there and "
+                f"{tuple(leaf.shape)} here; use the config that wrote it, or start afresh in another --output_dir"
+            )
 
 
 @contextlib.contextmanager

@@ -1049,10 +1049,11 @@ def check_train_schedule(train_dataset, training_args, max_seq_length):
         else math.ceil(steps_per_epoch * training_args.num_train_epochs)
     )
     warmup = training_args.get_warmup_steps(total)
-    if warmup > total:
+    if warmup >= total:  # the last step's rate is the schedule's at step total - 1
         logger.warning(
-            f"{warmup} warm-up steps are more than the {total} training steps: the learning rate only reaches "
-            f"{training_args.learning_rate * total / warmup:.3g}, not --learning_rate {training_args.learning_rate:g}"
+            f"{warmup} warm-up steps are not fewer than the {total} training steps: the learning rate only "
+            f"reaches {training_args.learning_rate * (total - 1) / warmup:.3g}, "
+            f"not --learning_rate {training_args.learning_rate:g}"
         )
 
 

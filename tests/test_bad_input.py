@@ -296,11 +296,11 @@ def test_attention_heads_that_do_not_divide_the_hidden_size(request, corpus, tmp
 
 
 def test_disk_full_while_checkpointing(request, corpus, tmp_path):
-    """A 4 MB disk holds the first checkpoint of the tiny model (2.6 MB with its from_pretrained copy), not the
-    second: one line, and the first stays complete, named in the message."""
+    """A 6 MB disk holds the first checkpoint of the tiny model (its train state and model, and the model's copy in
+    output_dir), not the second: one line, and the first stays complete, named in the message."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6M", "tmpfs", str(disk)], check=True)
     try:
         line = error_line(
             run(
@@ -331,8 +331,8 @@ def test_disk_full_while_checkpointing(request, corpus, tmp_path):
 
 
 def test_a_disk_too_small_for_one_checkpoint_is_refused_before_the_first_step(request, corpus, tmp_path):
-    """A 2 MB disk cannot hold the tiny model's checkpoint (2.6 MB with its from_pretrained copy): one line before
-    the first step, not at the first save; --fsdp over one device warns that it shards nothing."""
+    """A 2 MB disk cannot hold the tiny model's checkpoint (its train state, its model and the copy in output_dir):
+    one line before the first step, not at the first save; --fsdp over one device warns that it shards nothing."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)], check=True)
@@ -519,9 +519,12 @@ def test_warmup_longer_than_training_warns_with_the_peak_reached(request, corpus
                 ),
             ],
         )
-    assert "--warmup_steps 8 is more than the 4 training steps: the learning rate only reaches 0.0005" in flax.stderr
+    # The last of 4 steps (step 3 from 0) runs at 3/8 of the peak.
+    assert "--warmup_steps 8 is not less than the 4 training steps: the learning rate only reaches 0.000375" in (
+        flax.stderr
+    )
     assert (
-        "8 warm-up steps are more than the 4 training steps: the learning rate only reaches 0.0005"
+        "8 warm-up steps are not fewer than the 4 training steps: the learning rate only reaches 0.000375"
         in torch.stdout + torch.stderr
     )
 
@@ -658,8 +661,7 @@ def test_a_model_type_alone_names_the_default_sizes(caplog, tiny_model_dir):
 def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, tiny_model_dir, corpus_shards):
     no_config = str(files / "no_config")
     checkpoint = tmp_path / "run" / "checkpoint-4"
-    (checkpoint / "trainer_state").mkdir(parents=True)
-    shutil.copy(tiny_model_dir / "config.json", checkpoint)
+    (checkpoint / "trainer_state").mkdir(parents=True)  # an earlier release's: the train state, no model
     bert = mlm(request, corpus, tmp_path / "f")
     bert[bert.index("--model_type") + 1] = "bert"
     errors(
@@ -688,10 +690,11 @@ def test_a_config_folder_without_config_json(request, corpus, tmp_path, files, t
                 "or model.safetensors"
             ),
         ),
-        (  # a run's checkpoint holds Orbax's train state, not a model: it is resumed
+        (
             mlm(request, corpus, tmp_path / "k", "--model_name_or_path", str(checkpoint)),
-            f"--model_name_or_path {checkpoint} is a training checkpoint, not a model: continue its run with "
-            f"--output_dir {checkpoint.parent} --resume_from_checkpoint",
+            f"--model_name_or_path {checkpoint} is a training checkpoint of an earlier release, which held no model: "
+            f"evaluate it with --do_eval --resume_from_checkpoint {checkpoint}, continue its run with --output_dir "
+            f"{checkpoint.parent} --resume_from_checkpoint {checkpoint}",
         ),
         (tf_mlm(tiny_model_dir, corpus_shards, tmp_path / "c", config=no_config), "holds no config.json"),
         (
