@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """What a checkpoint's digest and its model cost a save: a Flax script's train state (roberta-base by default:
-RoBERTa's published sizes, new weights and Adam's two moments) saved by the script's own write_checkpoint, without the
-model (the train state alone, as before checkpoints were models) and with it (stage_model, write_checkpoint and
-export_model, as save_checkpoint does; the tokenizer, a few MB, left out), and its state_digest alone, each timed over
---repeats saves into a temporary folder on the disk of --work_dir, with each checkpoint's size on disk:
+RoBERTa's published sizes, new weights and Adam's two moments) saved as save_checkpoint does (stage_model,
+write_checkpoint, export_model; the tokenizer, a few MB, left out), with the model in the checkpoint and, as the
+release before checkpoints were models saved, without it (the model exported to output_dir only), and its state_digest
+alone, each timed over --repeats saves into a temporary folder on the disk of --work_dir, with each checkpoint's size
+on disk (new Adam moments are zeros, which Orbax's files compress: a trained state's are larger):
 
   python benchmarks/checkpoint_digest.py --repeats 3 --work_dir out/digest
 """
@@ -46,13 +47,13 @@ def main(argv=None):
     script.state_digest(arrays)  # compiled once, as a run compiles it at its first save
     work = Path(tempfile.mkdtemp(dir=args.work_dir))
     tokenizer = types.SimpleNamespace(save_pretrained=lambda folder: None)
-    times, disk = {"digest": [], "save_state": [], "save_with_model": []}, {}
+    times, disk = {"digest": [], "save_without_model": [], "save_with_model": []}, {}
     try:
         for repeat in range(args.repeats):
             start = time.perf_counter()
             script.state_digest(arrays)
             times["digest"].append(time.perf_counter() - start)
-            for kind in ("save_state", "save_with_model"):
+            for kind in ("save_without_model", "save_with_model"):
                 out = work / f"{kind}-{repeat}"
                 out.mkdir()
                 training_args.output_dir = str(out)
@@ -60,8 +61,9 @@ def main(argv=None):
                 run = types.SimpleNamespace(args=training_args, objective={}, data={}, plan=plan)
                 run.__dict__.update(checkpoints=checkpoints, model=model, tokenizer=tokenizer)
                 start = time.perf_counter()
-                staged = script.stage_model(state.params["model"], run) if kind == "save_with_model" else None
-                script.write_checkpoint(state, script.TrainingProgress(global_step=1), run, staged)
+                staged = script.stage_model(state.params["model"], run)
+                in_checkpoint = staged if kind == "save_with_model" else None
+                script.write_checkpoint(state, script.TrainingProgress(global_step=1), run, in_checkpoint)
                 script.export_model(staged, run)
                 times[kind].append(time.perf_counter() - start)
                 run.checkpoints.close()
@@ -72,7 +74,7 @@ def main(argv=None):
     median = {kind: statistics.median(values) for kind, values in times.items()}
     result = dict(state_mb=round(size / 2**20, 1), **{f"{k}_s": round(v, 3) for k, v in median.items()})
     result.update({f"checkpoint_{k}_mb": round(v / 2**20, 1) for k, v in disk.items()})
-    result.update(digest_share_of_save=round(median["digest"] / median["save_state"], 3), times_s=times)
+    result.update(digest_share_of_save=round(median["digest"] / median["save_with_model"], 3), times_s=times)
     print(json.dumps(result))
 
 
