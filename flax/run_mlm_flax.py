@@ -878,7 +878,7 @@ IN_MEMORY_ONLY = ("--preprocessing_num_workers", "--overwrite_cache", "--validat
 STREAM_ONLY = ("--shuffle_buffer_size",)
 EVAL_ONLY = ("--eval_steps", "--per_device_eval_batch_size", "--max_eval_samples")
 UPSTREAM_ONLY = ("--train_ref_file", "--validation_ref_file")
-BEST_ONLY, BEST_NEEDS = ("--metric_for_best_model", "--greater_is_better"), "--load_best_model_at_end needs "
+BEST_ONLY = ("--metric_for_best_model", "--greater_is_better")
 WEIGHTS = ("flax_model.msgpack", "pytorch_model.bin", "model.safetensors")  # each whole, or sharded with an index
 
 
@@ -923,12 +923,11 @@ def validate_args(model_args, data_args, training_args):
         (args.max_steps == 0 or args.max_steps < -1, f"--max_steps {args.max_steps}: positive, or -1 (unset: epochs)"),
         (
             args.load_best_model_at_end and not (args.do_train and args.do_eval),
-            BEST_NEEDS + "--do_train and --do_eval",
+            "--load_best_model_at_end needs --do_train and --do_eval",
         ),
         (
             args.load_best_model_at_end and not (args.eval_steps and args.save_steps % args.eval_steps == 0),
-            BEST_NEEDS
-            + "--eval_steps, and --save_steps a round multiple of it (as the Trainer): every save evaluated",
+            "--load_best_model_at_end needs --eval_steps, and --save_steps a round multiple of it (as the Trainer)",
         ),
         (os.path.isfile(args.output_dir), f"--output_dir {args.output_dir} exists and is not a directory"),
         (args.push_to_hub and not hub_reachable(), "--push_to_hub: the Hugging Face Hub is unreachable (offline?)"),
@@ -2353,8 +2352,7 @@ def drop_old_checkpoints(run, progress, path):
     """Removes the checkpoints beyond the newest --save_total_limit, but the best; a removal that fails warns (the new
     checkpoint is whole), and training goes on."""
     limit, best = run.args.save_total_limit, progress.best_model_checkpoint
-    steps = sorted(run.checkpoints.all_steps())
-    for step in steps[: -limit or None] if limit else []:
+    for step in sorted(run.checkpoints.all_steps())[:-limit] if limit else []:
         old = os.path.join(run.args.output_dir, f"checkpoint-{step}")
         if best is None or os.path.abspath(old) != os.path.abspath(best):
             try:
@@ -2367,11 +2365,9 @@ def drop_old_checkpoints(run, progress, path):
 
 def last_intact(progress):
     last = progress.last_checkpoint
-    return (
-        f"the last complete checkpoint, {last}, is intact"
-        if last and complete_checkpoint(last)
-        else ("no checkpoint of this run is left complete")
-    )
+    if last and complete_checkpoint(last):
+        return f"the last complete checkpoint, {last}, is intact"
+    return "no checkpoint of this run is left complete"
 
 
 def check_savable(state, progress, run, path):

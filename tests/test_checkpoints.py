@@ -195,9 +195,9 @@ def test_a_branch_sets_later_checkpoints_aside_and_a_rerun_resumes_its_own(reque
 
 
 def test_the_probes_one_liners(request, corpus, tmp_path):
-    """--max_steps 0 or -3 refused (-1 is unset); --load_best_model_at_end without --eval_steps refused; the install
-    line for a package too old names the pins of requirements*.txt; a failed removal beyond --save_total_limit warns
-    and the run goes on; the output folder removed while training is one line."""
+    """--max_steps 0 or -3 refused (-1 is unset); --load_best_model_at_end without --eval_steps refused; a failed
+    removal beyond --save_total_limit warns and the run goes on; the output folder removed while training is one
+    line."""
     for steps in ("0", "-3"):
         line = refusal(flax_args(CLM, request, corpus, tmp_path / "x", *TRAIN, "--max_steps", steps))
         assert f"--max_steps {steps}: positive, or -1 (unset: epochs)" in line
@@ -205,12 +205,6 @@ def test_the_probes_one_liners(request, corpus, tmp_path):
     assert "--load_best_model_at_end needs --eval_steps, and --save_steps a round multiple of it" in line
 
     script = load_script(CLM, "probe_run_clm_flax")
-    pins = Path(ROOT, "requirements-current.txt" if sys.version_info >= (3, 12) else "requirements.txt").read_text()
-    with pytest.raises(SystemExit) as too_old:
-        script.check_stack("x.py", {"flax": "99.0"})
-    advised = str(too_old.value).split("pip install ")[1].split()
-    assert advised and all(f"\n{pin}\n" in f"\n{pins}\n" for pin in advised), (advised, pins)
-
     warnings = []
     deleting = types.SimpleNamespace(
         all_steps=lambda: [2, 4, 6],
@@ -238,3 +232,13 @@ def test_the_probes_one_liners(request, corpus, tmp_path):
     [log] = finish([proc])
     assert proc.returncode == 1 and "Traceback" not in log, log[-3000:]
     assert "run_clm_flax.py: error: cannot write " in log and "no checkpoint of this run is left complete" in log, log
+
+
+def test_the_install_line_for_a_package_too_old_names_this_stacks_pins():
+    """requirements.txt's on Python 3.11, requirements-current.txt's on 3.12 and later."""
+    script = load_script(CLM, "stack_run_clm_flax")
+    pins = Path(ROOT, "requirements-current.txt" if sys.version_info >= (3, 12) else "requirements.txt").read_text()
+    with pytest.raises(SystemExit) as too_old:
+        script.check_stack("x.py", {"flax": "99.0"})
+    advised = str(too_old.value).split("pip install ")[1].split()
+    assert advised and all(f"\n{pin}\n" in f"\n{pins}\n" for pin in advised), (advised, pins)
