@@ -61,7 +61,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # This script never uses TensorFlow or PyTorch, but transformers imports whichever is installed (seconds of every
 # start). USE_TF=1 or USE_TORCH=1 in the environment still overrides.
@@ -246,10 +246,17 @@ class DataArguments:
 # Everything that differs between the four Flax training scripts is in this block, under the same names in each;
 # the rest of the file is the same text in all four (tests/test_layout.py checks it). To train another objective,
 # copy a script and change this block; README.md's block table says what each name gets and returns.
+# When the machinery calls the block (README.md's block table has the shapes): once at start, in this order,
+# validate_objective (with the argument checks, before any data is read), fit_objective, resolve_max_seq_length,
+# preprocess, build_collator and resume_checks, build_model and init_objective_params; collate_batch for each global
+# batch of training (this process's rows of all its micro-batches, on a thread ahead of the step, seed (--seed, epoch))
+# and each evaluation batch (seed (--seed,)); loss_sums traced into the train step (each micro-batch, the rows of
+# every device) and the eval step; save_model at each checkpoint and at the end (process 0, host arrays).
 # What the machinery promises a block:
 # - loss_sums' (sum, count) pairs are summed over micro-batches, devices, log windows and evaluation before any
 #   division; training minimises the LOSS_TERMS-weighted means, each term's gradient over its own count; eval_loss
-#   and perplexity are the first term's.
+#   and perplexity are the first term's. A field <term>_weight of DataTrainingArguments (a flag, recorded in
+#   checkpoints) sets that term's weight in place of LOSS_TERMS' (loss_weights): no global to rebind.
 # - params["model"] is build_model's and params["objective"] init_objective_params': both are trained, sharded
 #   (--fsdp), checkpointed and restored; save_model gets params["model"] alone.
 # - Resumes are exact on any mesh: collate_batch draws its noise from (*seed, row id), and loss_sums' rng comes
@@ -269,7 +276,7 @@ MODEL_TYPES = ("t5",)
 OBJECTIVE = "T5 span-corruption"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
 SCORED_TOKENS = {"loss": "target_tokens"}  # loss_sums' counts in the results, by pair: eval_target_tokens
-LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted
+LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
 MIN_LENGTH = 4  # input tokens a row needs after corruption: shorter rows leave no span to corrupt
 
 
@@ -520,10 +527,11 @@ def resume_checks(collator):
     return {}
 
 
-def collate_batch(collator, examples, seed, row_ids, num_rows):
+def collate_batch(collator, examples, seed, row_ids, num_rows, train=True):
     """The model's batch of `num_rows` rows for rows `row_ids` of a dataset: span-corrupted (each row's spans drawn
     from (*seed, row id), the same in any batch), padded with rows that carry no label (so every device gets a full
-    batch). `seed` is (--seed, epoch) in training (a streamed pass is an epoch), (--seed,) in evaluation."""
+    batch). `seed` is (--seed, epoch) in training (a streamed pass is an epoch), (--seed,) in evaluation
+    (train=False)."""
     fill = {"input_ids": collator.pad_token_id, "decoder_input_ids": collator.pad_token_id, "labels": -100}  # mask 0
     return pad_rows(collator(examples, seed, row_ids), num_rows, fill)
 
@@ -606,6 +614,7 @@ def main(argv=None):
     run = Run(
         training_args, plan, model, tokenizer, collator, dataset, hub, eval_step, objective_settings(data_args), data
     )
+    run.weights = loss_weights(data_args)
     state, progress = restore_checkpoint(checkpoints, state, run) if checkpoints else (state, TrainingProgress())
     log_model(config, state, plan, max_seq_length)
     run.writer = open_summary_writer(training_args)
@@ -613,7 +622,7 @@ def main(argv=None):
     last_eval = None
     if training_args.do_train:
         run.checkpoints = open_checkpoints(run, state, progress, fresh_start=not checkpoints)
-        train_step = make_train_step(model, schedule, bf16, training_args.seed, state)
+        train_step = make_train_step(model, schedule, bf16, training_args.seed, state, run.weights)
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             state, train_metrics, last_eval = train(state, train_step, run, progress)
         write_results(training_args.output_dir, "train", {**train_metrics, LENGTH_FLAG: max_seq_length})
@@ -659,18 +668,19 @@ def build_train_state(model_args, args, config, plan, abstract=False):
     return model, jax.jit(create, out_shardings=shardings)(params=params), schedule
 
 
-def make_train_step(model, schedule, bf16, seed, state):
+def make_train_step(model, schedule, bf16, seed, state, weights=None):
     """The train step, one jit over plan.mesh that keeps `state`'s shardings; its batch holds micro-batches of rows
     sharded over every device. loss_sums' sums and counts are added over every micro-batch before any division, so
-    every mean is exact over the global batch, and each loss term's gradient is divided by its own count: one batch
-    of that size would give the same update. In a multi-process run it also takes every process's vote
-    (ProcessAgreement) and returns their largest, replicated."""
+    every mean is exact over the global batch, and each loss term's gradient is divided by its own count and weighted
+    (`weights`, loss_weights'; LOSS_TERMS' by default): one batch of that size would give the same update. In a
+    multi-process run it also takes every process's vote (ProcessAgreement) and returns their largest, replicated."""
     base_key, shardings = jax.random.PRNGKey(seed), jax.tree.map(lambda x: x.sharding, state)
+    weights = weights or LOSS_TERMS
     replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
 
     def loss_fn(params, batch, dropout_rng):
         sums = loss_sums(model, params, batch, dropout_rng, train=True, bf16=bf16)
-        return {name: sums[name][0] for name in LOSS_TERMS}, sums
+        return {name: sums[name][0] for name in weights}, sums
 
     if next(iter(jax.tree.leaves(state)[0].sharding.device_set)).platform == "cpu":  # measured there; else as upstream
         loss_fn = jax.checkpoint(loss_fn, policy=save_all_but_transcendentals)
@@ -701,7 +711,7 @@ def make_train_step(model, schedule, bf16, seed, state):
         (sums, grads), _ = lax.scan(micro_step, zeros, (jnp.arange(micro_batches), batch))
         scaled = [
             jax.tree_util.tree_map(lambda g, w=weight, n=sums[name][1]: w * g / jnp.maximum(n, 1), grads[name])
-            for name, weight in LOSS_TERMS.items()
+            for name, weight in weights.items()
         ]
         grad = functools.reduce(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), scaled)
         metrics = dict(sums=sums, learning_rate=schedule(state.step), grad_norm=optax.tree.norm(grad))
@@ -737,6 +747,7 @@ class Run:
     eval_step: Any  # make_eval_step's jitted step; None without --do_eval
     objective: dict  # the objective's own arguments, recorded in checkpoints
     data: dict  # what the data position depends on (data_fingerprint), recorded in checkpoints
+    weights: dict | None = None  # loss_weights': the loss terms' weights, from the objective's arguments
     writer: Any = None  # tensorboardX's SummaryWriter; None with --report_to none
     checkpoints: ocp.CheckpointManager | None = None  # while training
 
@@ -789,7 +800,7 @@ def after_step(state, run, progress, loop, end_of_epoch, agreement):
     args, step, logged = run.args, progress.global_step, None
     last = step == run.plan.total_steps
     if step % args.logging_steps == 0 or last:
-        logged = log_training(progress, fetch_metrics(loop, progress), run.plan, loop, args.peak_tflops, run.writer)
+        logged = log_training(progress, fetch_metrics(loop, progress), run, loop)
     if run.eval_step is not None and (step % args.eval_steps == 0 if args.eval_steps else end_of_epoch or last):
         with loop.paused():
             loop.last_eval = (step, evaluate(state.params, run, step))
@@ -844,12 +855,12 @@ def evaluate(params, run, step):
     plan, dataset, started, totals = run.plan, run.dataset["validation"], time.perf_counter(), {}
     batches = generate_batch_splits(np.arange(len(dataset)), plan.eval_batch_size, drop_last=False)
     for index, rows in enumerate(tqdm(batches, desc="Evaluating", leave=False, disable=plan.process_index != 0)):
-        batch = collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size)
+        batch = collate_batch(run.collator, dataset[rows], (run.args.seed,), rows, plan.eval_batch_size, train=False)
         sums = run.eval_step(params, global_batch(batch, plan), np.int32(index))
         for name, (total, count) in sums.items():
             previous = totals.get(name, (0.0, 0.0))
             totals[name] = (previous[0] + float(total), previous[1] + float(count))
-    means = objective_means(totals)
+    means = objective_means(totals, run.weights)
     means["perplexity"] = math.exp(means["loss"]) if means["loss"] < 700 else float("inf")
     logger.info(f"Step {step}: " + ", ".join(f"eval {name} {value:.4f}" for name, value in means.items()))
     for name, value in means.items() if run.writer is not None else ():
@@ -1802,15 +1813,24 @@ def decay_mask_fn(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def objective_means(sums):
+def objective_means(sums, weights=None):
     """Each (sum, count) pair's mean (over at least 1). `loss`, what eval_loss and perplexity report, is the
     objective's first term: its pair named "loss", else LOSS_TERMS' first; where training minimises more than that
-    term alone, `trained_loss` is the LOSS_TERMS-weighted sum of the means."""
+    term alone, `trained_loss` is the sum of the means weighted by `weights` (loss_weights'; LOSS_TERMS' by
+    default)."""
+    weights = weights or LOSS_TERMS
     means = {name: total / (count + (count == 0)) for name, (total, count) in sums.items()}
-    means.setdefault("loss", means[next(iter(LOSS_TERMS))])
-    if LOSS_TERMS != {"loss": 1.0}:
-        means["trained_loss"] = sum(weight * means[name] for name, weight in LOSS_TERMS.items())
+    means.setdefault("loss", means[next(iter(weights))])
+    if weights != {"loss": 1.0}:
+        means["trained_loss"] = sum(weight * means[name] for name, weight in weights.items())
     return means
+
+
+def loss_weights(data_args):
+    """LOSS_TERMS' weights, each taken from the objective's argument `<term>_weight` where DataTrainingArguments has
+    one: a block weights a term by a flag by adding that field (--aux_loss_weight for a term aux_loss), recorded in
+    checkpoints with its other arguments (a resume with another weight warns)."""
+    return {name: float(getattr(data_args, f"{name}_weight", weight)) for name, weight in LOSS_TERMS.items()}
 
 
 def token_sums(logits, labels, mask):
@@ -1857,13 +1877,23 @@ def bound_length(requested, config, tokenizer):
 
 def model_logits(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
     """The model's logits (model_outputs')."""
-    return model_outputs(model, params, batch, bf16, interceptors, dropout_rng, train)[0]
+    return model_outputs(model, params, batch, bf16, interceptors, dropout_rng, train).logits
+
+
+class ModelStates(NamedTuple):
+    """What model_outputs gives a block, by name."""
+
+    logits: Any  # [batch, length, vocab]: the head's output
+    hidden: (
+        Any  # [batch, length, hidden]: the last layer's output (the decoder's in an encoder-decoder), the head's input
+    )
+    encoder_hidden: Any = None  # [batch, source length, hidden]: an encoder-decoder's encoder output (T5, BART)
 
 
 def model_outputs(model, params, batch, bf16, interceptors=(), dropout_rng=None, train=False):
-    """The model's logits and final hidden state (its last layer's output, the decoder's in an encoder-decoder)
-    under `interceptors` (and bf16_dense with --dtype bfloat16), from the batch's keys its __call__ names, dropout as
-    it takes it (`train` or `deterministic`), BigBird's random blocks from dropout_rng."""
+    """The model's ModelStates (logits, final hidden states, an encoder's too) under `interceptors` (and bf16_dense
+    with --dtype bfloat16), from the batch's keys its __call__ names, dropout as it takes it (`train` or
+    `deterministic`), BigBird's random blocks from dropout_rng."""
     takes = inspect.signature(model.__call__).parameters
     inputs = {name: value for name, value in batch.items() if name in takes}
     mode = {"train": train} if "train" in takes else {"deterministic": not train}
@@ -1874,7 +1904,7 @@ def model_outputs(model, params, batch, bf16, interceptors=(), dropout_rng=None,
             stack.enter_context(nn.intercept_methods(interceptor))
         outputs = model(**inputs, params=params, dropout_rng=dropout_rng, output_hidden_states=True, **mode)
     hidden = outputs.get("decoder_hidden_states") or outputs["hidden_states"]
-    return outputs["logits"], hidden[-1]
+    return ModelStates(outputs["logits"], hidden[-1], outputs.get("encoder_last_hidden_state"))
 
 
 def objective_apply(module, params, *args, bf16=False):
@@ -2177,11 +2207,13 @@ def stop_diverged(step, what, progress, first_step=0):
     )
 
 
-def log_training(progress, metrics, plan, loop, peak_tflops, writer):
+def log_training(progress, metrics, run, loop):
     """One line and TensorBoard scalars: the objective's means over the tokens since the last line, the last
     step's learning rate and gradient norm, and the throughput of the steps timed since (none if only one compiled)."""
+    plan, writer = run.plan, run.writer
     window, progress.log_window = progress.log_window, []
-    means = objective_means({name: [sum(step[name][i] for step in window) for i in (0, 1)] for name in window[0]})
+    sums = {name: [sum(step[name][i] for step in window) for i in (0, 1)] for name in window[0]}
+    means = objective_means(sums, run.weights)
     epoch = progress.global_step / plan.steps_per_epoch
     scalars = {**means, "learning_rate": metrics["learning_rate"], "grad_norm": metrics["grad_norm"], "epoch": epoch}
     line = f"Step {progress.global_step}/{plan.total_steps} (epoch {epoch:.2f}) | loss {means['loss']:.4f} | "
@@ -2195,8 +2227,8 @@ def log_training(progress, metrics, plan, loop, peak_tflops, writer):
     if steps and loop.flops:
         scalars["tflops"] = loop.flops * steps / seconds / 1e12
         line += f" | {scalars['tflops']:.3f} TFLOP/s"
-        if peak_tflops:
-            scalars["mfu"] = scalars["tflops"] / (peak_tflops * plan.num_devices)
+        if run.args.peak_tflops:
+            scalars["mfu"] = scalars["tflops"] / (run.args.peak_tflops * plan.num_devices)
             line += f" | MFU {100 * scalars['mfu']:.1f} %"
     tqdm.write(line)
     for name, value in scalars.items() if writer is not None else ():

@@ -221,7 +221,7 @@ def compile_steps(script, flags, topology, target):
         batch = sharded({k: x.reshape(micro, -1, *x.shape[1:]) for k, x in batch.items()}, None, split)
         steps["train"] = (script.make_train_step(model, schedule, bf16, seed, state), (state, batch))
     if args.do_eval:
-        batch = script.collate_batch(collator, rows[:eval_rows], (seed,), np.arange(eval_rows), eval_rows)
+        batch = script.collate_batch(collator, rows[:eval_rows], (seed,), np.arange(eval_rows), eval_rows, train=False)
         index = jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, PartitionSpec()))
         steps["eval"] = (script.make_eval_step(model, bf16, seed), (state.params, sharded(batch, split), index))
     per_device = [f"train {args.per_device_train_batch_size}" + f" x {micro} micro-batches" * (micro > 1)]

@@ -60,7 +60,7 @@ def resume_checks(collator):
     return {}
 
 
-def collate_batch(collator, examples, seed, row_ids, num_rows):
+def collate_batch(collator, examples, seed, row_ids, num_rows, train=True):
     """Rows padded to the sequence length; mlm_probability of each row's real tokens, drawn from (seed, row), become
     the mask token, and their ids the labels (-100 elsewhere)."""
     tokenizer, probability, length = collator

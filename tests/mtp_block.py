@@ -33,9 +33,9 @@ def loss_sums(model, params, batch, rng, train, bf16):
     """Next-token cross-entropy and accuracy, and each extra head's cross-entropy of the token it predicts, through
     the model's own head (capture_head's kernel and bias) and over the positions that have that token."""
     head = {}
-    logits, hidden = model_outputs(
+    hidden = model_outputs(
         model, params["model"], batch, bf16, [capture_head(head)], dropout_rng=rng, train=train
-    )
+    ).hidden
     loss, correct, count = shifted_token_sums(head, batch, bf16, shift=1)
     sums = {"loss": (loss, count), "accuracy": (correct, count)}
     heads = objective_apply(AheadHeads(hidden.shape[-1]), params["objective"], hidden, bf16=bf16)

@@ -99,16 +99,17 @@ FREQUENT_TOKENS = (
         'SCORED_TOKENS = {"loss": "predicted_tokens", "frequent": "frequent_tokens"}',
     ),
     (
-        "    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)\n",
+        "    return CausalLMCollator(pad)\n",
         "    values, counts = np.unique(np.concatenate(dataset['train']['input_ids']), return_counts=True)\n"
         "    logger.info(f\"build_collator counted tokens in {len(dataset['train'])} rows\")\n"
         "    frequent = sorted(values[np.argsort(-counts, kind='stable')[: data_args.frequent_tokens]].tolist())\n"
-        "    return (tokenizer.pad_token_id or 0), frequent\n",
+        "    return CausalLMCollator(pad), frequent\n",
     ),
     ('derives nothing from the data."""\n    return {}', '"""\n    return {\'frequent_tokens\': collator[1]}'),
     (
-        "def collate_batch(pad_token_id, examples, seed, row_ids, num_rows):\n",
-        "def collate_batch(collator, examples, seed, row_ids, num_rows):\n    pad_token_id, frequent = collator\n",
+        "def collate_batch(collator, examples, seed, row_ids, num_rows, train=True):\n",
+        "def collate_batch(collator, examples, seed, row_ids, num_rows, train=True):\n"
+        "    collator, frequent = collator\n",
     ),
     (
         "    return batch\n",

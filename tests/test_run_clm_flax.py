@@ -142,7 +142,7 @@ def test_model_outputs_gives_the_final_hidden_state_the_head_reads():
         ),
     ):
         head = {}
-        logits, hidden = clm.model_outputs(model, model.params, batch, False, [clm.capture_head(head)])
+        logits, hidden, _ = clm.model_outputs(model, model.params, batch, False, [clm.capture_head(head)])
         assert hidden.shape == (*logits.shape[:2], 32) and head["logits"] is logits
         # the same product of the same float32 operands, lowered as one dot either way: equal to float32 rounding
         np.testing.assert_allclose(clm.apply_head(head, hidden, False), logits, rtol=1e-5, atol=1e-6)
