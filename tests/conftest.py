@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import io
@@ -455,14 +456,26 @@ LONGEST_FIRST = (
 )
 
 
+def compilation_cache_dir():
+    """The persistent XLA compilation cache's folder, kept from one session to the next (and from one CI run to the
+    next on the same machine), one folder per key: the CPU (its model and instruction flags: XLA:CPU's code is built
+    for the CPU it compiles on), jax's and jaxlib's versions and XLA_FLAGS. jax's own key holds the program, the
+    flags and jaxlib, not the CPU: a folder copied or shared to another CPU is never read there."""
+    info = cpu_info()
+    versions = [importlib.metadata.version(package) for package in ("jax", "jaxlib")]
+    cpu = [info.get(field, "") for field in ("vendor_id", "model name", "cpu family", "model", "stepping", "flags")]
+    key = json.dumps([*cpu, *versions, os.environ.get("XLA_FLAGS", "")])
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache_home, "lm-pretraining-tests", "jax-cache", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """One persistent XLA compilation cache for the suite's run (both pytest-xdist workers, every script they start):
-    a program compiled once, such as the step of a run and of its resumed copy, is loaded the next time. The cache
-    holds what XLA compiled, so results are those of a fresh compile; flax/train_compile.py's runs keep it off."""
-    base = tmp_path_factory.getbasetemp()
-    path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
-    settings = dict(compilation_cache_dir=path, compilation_cache_max_size=2**32)  # 4 GiB: kept under a file lock
+def compilation_cache():
+    """One persistent XLA compilation cache for the suite (both pytest-xdist workers, every script they start, the
+    sessions before and after on this CPU and stack): a program compiled once, such as the step of a run and of its
+    resumed copy, is loaded the next time. The cache holds what XLA compiled, so results are those of a fresh compile;
+    flax/train_compile.py's runs keep it off."""
+    settings = dict(compilation_cache_dir=compilation_cache_dir(), compilation_cache_max_size=2**32)  # 4 GiB, LRU
     settings.update(persistent_cache_min_compile_time_secs=0)  # a tiny model's programs compile in under a second
     for name, value in settings.items():
         os.environ[f"JAX_{name.upper()}"] = str(value)
@@ -491,11 +504,16 @@ def pytest_sessionstart(session):
         reporter.write_line(cpu_line())
 
 
+def cpu_info():
+    """The first CPU's fields in /proc/cpuinfo."""
+    first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    return {
+        key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first.splitlines() if ":" in line)
+    }
+
+
 def cpu_line():
-    info = dict(
-        line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line
-    )
-    info = {key.strip(): value.strip() for key, value in info.items()}
+    info = cpu_info()
     bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in info.get("flags", "").split()]
     isa = "AVX-512" if "avx512f" in info.get("flags", "") else "AVX2" if "avx2" in info.get("flags", "") else "no AVX2"
     return (
