@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import io
@@ -20,6 +21,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ROBERTA = "hidden_size=64,num_hidden_layers=2,num_attention_heads=2,intermediate_size=128"
@@ -239,16 +241,69 @@ def bad_input(make_args, prefix, default_output):
     return call
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """The real PTB splits from the corpus helper, plus small slices of them for fast tests."""
-    out = tmp_path_factory.mktemp("ptb")
+def session_folder(tmp_path_factory):
+    """The folder of the whole pytest session: shared by its pytest-xdist workers, each of which has its own below
+    it."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name, build, *args):
+    """The folder `name` in the session's folder, written by build(folder, *args) once for all the session's
+    workers: the first to ask builds it under a file lock, the others wait for it, then read it (no test writes to
+    it)."""
+    folder = session_folder(tmp_path_factory) / name
+    done = folder.with_name(name + ".done")
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker whose build failed left
+            folder.mkdir()
+            build(folder, *args)
+            done.touch()
+    return folder
+
+
+def write_corpus(out):
     check_ok(run(["tokenizers/prepare_corpus.py", "--corpus", "ptb", "--output_dir", str(out)]))
     for split, lines in (("train", 3000), ("validation", 200)):
         with open(out / f"{split}.txt") as f:
             head = [next(f) for _ in range(lines)]
         (out / f"{split}_slice.txt").write_text("".join(head))
-    return out
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The real PTB splits from the corpus helper, plus small slices of them for fast tests."""
+    return built_once(tmp_path_factory, "ptb", write_corpus)
+
+
+# benchmarks/workload.py's prepare_files, run from the repository root: the corpus and the 8,192-token tokenizer in
+# the work folder sys.argv[1] (where each is already, it is kept), and the config of the size --quick trains.
+PREPARE_BENCHMARK_FILES = """
+import sys
+from pathlib import Path
+from benchmarks import modes, workload
+
+workload.prepare_files(Path(sys.argv[1]), "tiny", modes.SIZES["tiny"])
+"""
+
+
+def benchmark_work(output_dir, corpus, tmp_path_factory):
+    """The work folder of a benchmarks/run_benchmark.py run into `output_dir`, already holding the PTB corpus and
+    the 8,192-token tokenizer that the run's preparation would make first and keeps where they are: the suite's
+    corpus, and the tokenizer the harness's own prepare_files trained once for the session's benchmark runs.
+    test_benchmark.py's cut run keeps the whole preparation of its own."""
+
+    def prepare(folder):
+        (folder / "ptb").symlink_to(corpus)
+        check_ok(run(["-c", PREPARE_BENCHMARK_FILES, str(folder)]))
+
+    shared = built_once(tmp_path_factory, "benchmark-work", prepare)
+    work = Path(output_dir) / "work"
+    work.mkdir(parents=True)
+    for name in ("ptb", "tokenizer"):
+        (work / name).symlink_to(shared / name)
+    return work
 
 
 # An evaluation of the same weights in another process, device count or batch size: float32 sums of up to a few
@@ -364,22 +419,22 @@ def eval_reloaded(args, trained_dir, output_dir):
 @pytest.fixture(scope="session")
 def tiny_model_dir(corpus, tmp_path_factory):
     """A 1000-token byte-level BPE tokenizer and a tiny RoBERTa config in one folder."""
-    return make_model_dir(tmp_path_factory.mktemp("tiny"), corpus, "roberta", TINY_ROBERTA)
+    return built_once(tmp_path_factory, "tiny", make_model_dir, corpus, "roberta", TINY_ROBERTA)
 
 
 @pytest.fixture(scope="session")
 def gpt2_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("gpt2"), corpus, "gpt2", TINY_GPT2, "--model_type", "gpt2")
+    return built_once(tmp_path_factory, "gpt2", make_model_dir, corpus, "gpt2", TINY_GPT2, "--model_type", "gpt2")
 
 
 @pytest.fixture(scope="session")
 def t5_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("t5"), corpus, "t5", TINY_T5, "--tokenizer_type", "unigram")
+    return built_once(tmp_path_factory, "t5", make_model_dir, corpus, "t5", TINY_T5, "--tokenizer_type", "unigram")
 
 
 @pytest.fixture(scope="session")
 def bart_dir(corpus, tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("bart"), corpus, "bart", TINY_BART)
+    return built_once(tmp_path_factory, "bart", make_model_dir, corpus, "bart", TINY_BART)
 
 
 # run.sh runs the suite under pytest-xdist, each worker taking whole files in this order (--dist loadfile
@@ -401,14 +456,26 @@ LONGEST_FIRST = (
 )
 
 
+def compilation_cache_dir():
+    """The persistent XLA compilation cache's folder, kept from one session to the next (and from one CI run to the
+    next on the same machine), one folder per key: the CPU (its model and instruction flags: XLA:CPU's code is built
+    for the CPU it compiles on), jax's and jaxlib's versions and XLA_FLAGS. jax's own key holds the program, the
+    flags and jaxlib, not the CPU: a folder copied or shared to another CPU is never read there."""
+    info = cpu_info()
+    versions = [importlib.metadata.version(package) for package in ("jax", "jaxlib")]
+    cpu = [info.get(field, "") for field in ("vendor_id", "model name", "cpu family", "model", "stepping", "flags")]
+    key = json.dumps([*cpu, *versions, os.environ.get("XLA_FLAGS", "")])
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache_home, "lm-pretraining-tests", "jax-cache", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """One persistent XLA compilation cache for the suite's run (both pytest-xdist workers, every script they start):
-    a program compiled once, such as the step of a run and of its resumed copy, is loaded the next time. The cache
-    holds what XLA compiled, so results are those of a fresh compile; flax/train_compile.py's runs keep it off."""
-    base = tmp_path_factory.getbasetemp()
-    path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
-    settings = dict(compilation_cache_dir=path, compilation_cache_max_size=2**32)  # 4 GiB: kept under a file lock
+def compilation_cache():
+    """One persistent XLA compilation cache for the suite (both pytest-xdist workers, every script they start, the
+    sessions before and after on this CPU and stack): a program compiled once, such as the step of a run and of its
+    resumed copy, is loaded the next time. The cache holds what XLA compiled, so results are those of a fresh compile;
+    flax/train_compile.py's runs keep it off."""
+    settings = dict(compilation_cache_dir=compilation_cache_dir(), compilation_cache_max_size=2**32)  # 4 GiB, LRU
     settings.update(persistent_cache_min_compile_time_secs=0)  # a tiny model's programs compile in under a second
     for name, value in settings.items():
         os.environ[f"JAX_{name.upper()}"] = str(value)
@@ -437,11 +504,16 @@ def pytest_sessionstart(session):
         reporter.write_line(cpu_line())
 
 
+def cpu_info():
+    """The first CPU's fields in /proc/cpuinfo."""
+    first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    return {
+        key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first.splitlines() if ":" in line)
+    }
+
+
 def cpu_line():
-    info = dict(
-        line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line
-    )
-    info = {key.strip(): value.strip() for key, value in info.items()}
+    info = cpu_info()
     bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in info.get("flags", "").split()]
     isa = "AVX-512" if "avx512f" in info.get("flags", "") else "AVX2" if "avx2" in info.get("flags", "") else "no AVX2"
     return (

@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from conftest import BENCHMARK_BATCH, ROOT, check_ok, fake_devices, load_script, run
+from conftest import BENCHMARK_BATCH, ROOT, benchmark_work, check_ok, fake_devices, load_script, run
 
 sys.path.insert(0, ROOT)  # the package benchmarks/, as run_benchmark.py and its workers see it
 from benchmarks import measure, modes, report, runner, stats, workload  # noqa: E402
@@ -125,10 +125,11 @@ def test_bf16_modes_are_skipped_without_bf16_instructions_unless_named(monkeypat
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(corpus, tmp_path_factory):
     """Every default mode once, on a CPU taken to have no bf16 instructions: the bf16 modes' rows say why they were
     skipped (and the run stays short on every machine). Repeats are tested without running anything (below)."""
     out = tmp_path_factory.mktemp("bench")
+    benchmark_work(out, corpus, tmp_path_factory)
     result = check_ok(
         run(
             ["benchmarks/run_benchmark.py", "--quick", "--repeats", "1", *BENCHMARK_BATCH, "--output_dir", str(out)],
@@ -266,9 +267,10 @@ def head_flops(out, workload, dense=True, decoder=True):
 
 
 @pytest.fixture(scope="module")
-def gpu_modes(tmp_path_factory):
+def gpu_modes(corpus, tmp_path_factory):
     """`--modes gpu`, the command benchmarks/gpu.sh runs on a GPU, here on the CPU with the tiny model."""
     out = tmp_path_factory.mktemp("bench-gpu")
+    benchmark_work(out, corpus, tmp_path_factory)
     args = ["--modes", "gpu", "--quick", "--repeats", "1", "--steps", "3", "--warmup_steps", "1", "--no_inference"]
     args += ["--profile_steps", "2"]
     check_ok(run(["benchmarks/run_benchmark.py", *args, *BENCHMARK_BATCH, "--output_dir", str(out)], timeout=1800))

@@ -5,17 +5,18 @@ import json
 import os
 
 import pytest
-from conftest import BENCHMARK_BATCH, ROOT, check_ok, run
+from conftest import BENCHMARK_BATCH, ROOT, benchmark_work, check_ok, run
 
 pytestmark = pytest.mark.usefixtures("optimised_xla")
 
 XLA_PYTHON = os.environ.get("XLA_PYTHON", os.path.join(ROOT, ".venv-xla", "bin", "python"))
 
 
-def test_end_to_end_runs_the_real_scripts(tmp_path):
+def test_end_to_end_runs_the_real_scripts(corpus, tmp_path, tmp_path_factory):
     """--end_to_end --quick: the original README's table shape (a row | MLM with a column per framework), the curves,
     and eval losses that are the scripts' own eval_results.json. A bf16 mode named in --modes runs on a CPU without
     bf16 instructions, after one warning."""
+    benchmark_work(tmp_path, corpus, tmp_path_factory)
     expected = ["flax_bf16", "torch", "torch_xla", "tf"]  # one mode per framework keeps CI short
     result = check_ok(
         run(

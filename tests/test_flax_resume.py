@@ -1,6 +1,7 @@
 """Exact resume in the Flax scripts: kill -9 then --resume_from_checkpoint is bitwise an uninterrupted run; the
 refusals of a resume that cannot be exact. Its own file, so that the suite's workers (one file each) balance."""
 
+import functools
 import json
 import shutil
 import signal
@@ -63,13 +64,16 @@ script.main(sys.argv[2:])
 
 @pytest.fixture(scope="module")
 def uninterrupted(request, corpus, tmp_path_factory):
-    """For MLM and T5: a 24-step run that saves every 4 steps, its output folder and its logged losses."""
-    runs = {}
-    for path in (MLM, T5):
+    """For MLM or T5: a 24-step run that saves every 4 steps, its output folder and its logged losses; each run on
+    first use (bash run.sh test-current runs only the MLM one's test)."""
+
+    @functools.cache
+    def full_run(path):
         out = tmp_path_factory.mktemp("full")
         result = check_ok(run(flax_args(path, request, corpus, out, *RESUMABLE)))
-        runs[path] = out, losses_by_step(result.stdout + result.stderr)
-    return runs
+        return out, losses_by_step(result.stdout + result.stderr)
+
+    return full_run
 
 
 @pytest.mark.parametrize("path,signum", [(MLM, signal.SIGTERM), (T5, signal.SIGKILL)])
@@ -78,7 +82,7 @@ def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request,
     same command with --resume_from_checkpoint: the final weights are bitwise those of an uninterrupted run, and
     every logged loss, the train loss and the FLOPs of all_results.json are the same. What a kill cut short (Orbax's
     temporary folder, the model's) is cleaned up."""
-    full_dir, full_losses = uninterrupted[path]
+    full_dir, full_losses = uninterrupted(path)
     out = tmp_path / "run"
     args = flax_args(path, request, corpus, out, *RESUMABLE)
     stopped = kill_after_first_checkpoint(args, out, signum=signum)
@@ -107,7 +111,7 @@ def test_stop_then_resume_is_bitwise_exact(path, signum, uninterrupted, request,
 
 
 def test_resume_refusals_and_a_resume_on_more_devices(uninterrupted, request, corpus, tmp_path):
-    full_dir, _ = uninterrupted[MLM]
+    full_dir, _ = uninterrupted(MLM)
 
     def bad(*extra, output_dir=full_dir):
         return refusal(flax_args(MLM, request, corpus, output_dir, *RESUMABLE, *extra))
@@ -158,7 +162,7 @@ def test_a_resume_never_lies(uninterrupted, request, corpus, tmp_path):
     """Nothing left to train, other data, a damaged checkpoint: one line each (no traceback), every results file as
     it was. Without a path, a damaged newest checkpoint is skipped for the one before it, and the run still ends
     bitwise where the uninterrupted one did."""
-    full_dir, _ = uninterrupted[MLM]
+    full_dir, _ = uninterrupted(MLM)
 
     def bad(*extra, output_dir=full_dir):
         return refusal(flax_args(MLM, request, corpus, output_dir, *RESUMABLE, *extra))
@@ -222,7 +226,7 @@ def test_fsdp_on_eight_devices_trains_as_one_and_resumes_on_fewer(uninterrupted,
     the rest replicated, so a device holds at most 1/8 of the state plus the small arrays; the run logs the losses
     of the one-device run (to the log's 4 decimals, dropout included); its checkpoint resumes on 2 devices without
     --fsdp and on 1 device, and both end with the same losses."""
-    _, one_device = uninterrupted[MLM]
+    _, one_device = uninterrupted(MLM)
     out, eight = tmp_path / "fsdp", fake_devices(8)
     args = flax_args(
         MLM, request, corpus, out, *RESUMABLE, "--per_device_train_batch_size", "1", "--fsdp", "full_shard"
