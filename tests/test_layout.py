@@ -1,6 +1,7 @@
 """The folders flax/, tensorflow/ and tokenizers/ share names with packages: they must not shadow them."""
 
 import os
+import re
 
 from conftest import ROOT, check_ok, run
 
@@ -165,3 +166,36 @@ def test_every_script_tells_bf16_support_with_the_same_function():
         "written_out_transpose",
     ):
         assert bert[name] == mlm[name], name
+
+
+def test_the_shared_text_uses_nothing_of_a_block_but_its_table():
+    """The loop and the machinery refer to a block's names only through README.md's block table: a block's helpers
+    (capture_head, masked_lm_logits, a collator class, ...) are its own, free to change without reading the loop."""
+    import ast
+
+    from conftest import FLAX_TRAINING_SCRIPTS
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    table = readme[readme.index("| name | called | gets |") :].split("\n\n")[0]
+    contract = {name for row in table.splitlines() for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+    assert {"collate_batch", "loss_sums", "LOSS_TERMS", "DataTrainingArguments"} <= contract, contract
+    for path in FLAX_TRAINING_SCRIPTS:
+        source = open(os.path.join(ROOT, path)).read()
+        first, last = (source[: source.index(marker)].count("\n") + 1 for marker in (BLOCK_START, BLOCK_END))
+        tree = ast.parse(source)
+        block = {
+            name
+            for node in tree.body
+            if first < node.lineno <= last
+            for name in (
+                [node.name]
+                if hasattr(node, "name")
+                else [t.id for t in getattr(node, "targets", []) if hasattr(t, "id")]
+            )
+        }
+        used = {
+            node.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and not first < node.lineno <= last and node.id in block
+        }
+        assert used <= contract, f"{path}: the shared text uses the block's {sorted(used - contract)}"
