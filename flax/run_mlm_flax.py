@@ -2440,9 +2440,20 @@ def write_checkpoint(state, progress, run, staged):
     trainer_state["digest"]["trainer_state"] = json_digest(trainer_state)
     save = ocp.args.Composite(state=ocp.args.StandardSave(arrays), trainer_state=ocp.args.JsonSave(trainer_state))
     run.checkpoints.save(progress.global_step, args=save, force=True)
-    if staged:  # copies, not links: a model written over output_dir's in place must not change the checkpoint's
-        path = os.path.join(run.args.output_dir, f"checkpoint-{progress.global_step}")
-        shutil.copytree(staged, path, dirs_exist_ok=True)
+    if staged:
+        copy_model(staged, os.path.join(run.args.output_dir, f"checkpoint-{progress.global_step}"))
+
+
+def copy_model(staged, path):
+    """stage_model's files copied into checkpoint `path`, each under its own name only once whole: a run stopped
+    between Orbax's save and the last file leaves files missing, which a resume writes again (restore_checkpoint).
+    Copies, not links: a model written over output_dir's in place must not change the checkpoint's."""
+
+    def whole(source, target):
+        shutil.copy2(source, f"{target}.tmp")
+        os.replace(f"{target}.tmp", target)
+
+    shutil.copytree(staged, path, copy_function=whole, dirs_exist_ok=True)
 
 
 def files_under(folder):
@@ -2506,10 +2517,8 @@ def check_digest(restored, path):
     for name, digest in state_digest(restored["state"]).items():
         if expected.get(canonical(name)) != digest:
             raise ValueError(f"state{name} differs from the digest written with it: the file changed after the save")
-    for name, digest in saved.get("model", {}).items():
-        if not os.path.isfile(os.path.join(path, name)):
-            raise ValueError(f"the model's {name} is missing")
-        if file_digest(os.path.join(path, name)) != digest:
+    for name, digest in saved.get("model", {}).items():  # a missing one is written again: restore_checkpoint
+        if os.path.isfile(os.path.join(path, name)) and file_digest(os.path.join(path, name)) != digest:
             raise ValueError(f"the model's {name} differs from the digest written with it: it changed after the save")
 
 
@@ -2564,6 +2573,9 @@ def restore_checkpoint(paths, abstract_state, run):
             f"no checkpoint in {run.args.output_dir} can be restored (each is damaged, above); start afresh in "
             "another --output_dir, or with --overwrite_output_dir, which removes them"
         )
+    if missing := [name for name in saved.get("digest", {}).get("model", {}) if not os.path.exists(f"{path}/{name}")]:
+        logger.warning(f"{path}: the run stopped before its model was whole ({missing[0]}): written from its state")
+        rewrite_model(arrays["params"]["model"], path, run)
     names = ("global_step", "epoch", "batch_in_epoch", "log_window", "loss_sum", "stream")
     progress = TrainingProgress(**{k: saved[k] for k in names}, last_checkpoint=path)
     progress.best_metric, progress.best_model_checkpoint = saved.get("best_metric"), saved.get("best_model_checkpoint")
@@ -2572,6 +2584,14 @@ def restore_checkpoint(paths, abstract_state, run):
         return abstract_state.replace(params=arrays["params"]), progress
     check_resume(path, saved, progress, run)
     return abstract_state.replace(**arrays), progress
+
+
+def rewrite_model(params, path, run):
+    """The model's files of checkpoint `path` written again from its parameters (its digest already checked them)."""
+    staged = stage_model(params, run)
+    if staged is not None:
+        copy_model(staged, path)
+        shutil.rmtree(staged)
 
 
 def check_resume(path, saved, progress, run):

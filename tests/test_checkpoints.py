@@ -242,3 +242,19 @@ def test_the_install_line_for_a_package_too_old_names_this_stacks_pins():
         script.check_stack("x.py", {"flax": "99.0"})
     advised = str(too_old.value).split("pip install ")[1].split()
     assert advised and all(f"\n{pin}\n" in f"\n{pins}\n" for pin in advised), (advised, pins)
+
+
+def test_a_checkpoint_stopped_before_its_model_was_whole_resumes_and_is_made_whole(request, corpus, tmp_path):
+    """A kill between Orbax's save of the train state and the model's last file leaves files missing: the resume
+    writes them again from the verified state, the same bytes the digest names, and goes on."""
+    out = tmp_path / "run"
+    args = flax_args(CLM, request, corpus, out, *TRAIN)
+    check_ok(run([*args, "--max_steps", "2"]))
+    checkpoint = out / "checkpoint-2"
+    for name in ("flax_model.msgpack", "config.json"):
+        (checkpoint / name).unlink()
+    resumed = check_ok(run([*args, "--max_steps", "4", "--resume_from_checkpoint"]))
+    assert "the run stopped before its model was whole" in resumed.stderr and "Resuming at step 2" in resumed.stderr
+    script = load_script(CLM, "whole_run_clm_flax")
+    script.read_checkpoint(str(checkpoint))  # the digest of every file matches again
+    assert script.MODEL_CLASS.from_pretrained(checkpoint).config.n_layer == 2
