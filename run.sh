@@ -9,6 +9,8 @@
 #                       torch_xla 2.9 needs torch 2.9.0, so pytorch/xla_spawn.py gets its own venv
 #   bash run.sh setup-tpu  only install libtpu into .libtpu, for flax/train_compile.py (TPU_LIBRARY_PATH=.libtpu/libtpu/libtpu.so)
 #   bash run.sh setup-gpu  only install jax's CUDA plugin into .libgpu, for flax/train_compile.py --topology h100 (PYTHONPATH=.libgpu)
+#   bash run.sh test-fast  the edit loop's tier (FAST_TESTS, about 5 minutes on 2 idle cores): layout and lint,
+#                       arguments and refusals, each Flax script's tiny train, eval, reload and resume
 #   bash run.sh test-current  the Flax tests that carry the guarantees, on today's releases (requirements-current.txt
 #                       in .venv-current, on Python 3.12 or newer from pyenv or the PATH; libtpu into .libtpu-current);
 #                       where this machine has no Python 3.12, one line says so and nothing runs
@@ -82,6 +84,18 @@ CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py test
   tests/test_compile_topology.py::test_the_steps_compile_for_a_tpu_slice
   tests/test_checkpoints.py::test_an_earlier_release_checkpoint_resumes_with_one_warning
   tests/test_checkpoints.py::test_the_install_line_for_a_package_too_old_names_this_stacks_pins)
+# The tests a change to a Flax script's shared text or objective block most often breaks, in about 5 minutes on 2 idle
+# cores: layout and lint, arguments and refusals, and each script's tiny run on two devices that trains, evaluates and
+# reloads its checkpoint, then a resume (streamed: each script stopped after a checkpoint and resumed bit for bit).
+FAST_TESTS=(tests/test_layout.py tests/test_bad_input.py
+  tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
+  tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
+  tests/test_run_mlm_flax.py::test_trained_model_beats_untrained_and_checkpoint_reloads
+  tests/test_run_clm_flax.py::test_trains_on_two_devices_loss_falls_and_metrics_written
+  tests/test_run_clm_flax.py::test_checkpoint_reloads_to_identical_eval
+  tests/test_run_t5_mlm_flax.py::test_trains_on_two_devices_and_reloads
+  tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads
+  tests/test_streaming.py::test_a_streamed_run_resumes_bit_for_bit)
 test_current() {
   local python
   python=$(python_current)
@@ -122,7 +136,8 @@ case "${1:-}" in
   # One pytest-xdist worker per core, each taking whole test files (module fixtures are built once), longest first
   # (tests/conftest.py).
   test) shift; setup; setup_xla; setup_tpu; setup_gpu; XLA_PYTHON="$VENV_XLA/bin/python" "$PY" -m pytest tests -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
+  test-fast) shift; setup; "$PY" -m pytest "${FAST_TESTS[@]}" -n auto --dist loadfile --no-loadscope-reorder "$@" ;;
   # The export in tests/test_supported_stacks.py reads the pins' .venv (its torch): set up here first.
   test-current) shift; setup; test_current "$@" ;;
-  *) echo "usage: bash run.sh {main|test|test-current|setup|setup-xla|setup-tpu|setup-gpu}" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh {main|test|test-fast|test-current|setup|setup-xla|setup-tpu|setup-gpu}" >&2; exit 2 ;;
 esac
