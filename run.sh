@@ -68,15 +68,17 @@ VENV_CURRENT=${VENV_CURRENT:-.venv-current}
 # bitwise on two devices with accumulation, and the model exports; --fsdp, --streaming, --dtype bfloat16; the
 # objective blocks; a TPU compile with the libtpu of jax's [tpu] extra; run_bert_flax.py and dump_noised_examples.py;
 # an earlier release's checkpoint resumed, and the install line's pins.
-CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py tests/test_run_bert_flax.py
-  tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
+# Each Flax script's tiny run on two devices that trains, evaluates and reloads (in both lists below).
+SCRIPT_RUNS=(tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
   tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
   tests/test_run_mlm_flax.py::test_trained_model_beats_untrained_and_checkpoint_reloads
   tests/test_run_clm_flax.py::test_trains_on_two_devices_loss_falls_and_metrics_written
   tests/test_run_clm_flax.py::test_checkpoint_reloads_to_identical_eval
   tests/test_run_t5_mlm_flax.py::test_trains_on_two_devices_and_reloads
+  tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads)
+CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py tests/test_run_bert_flax.py
+  "${SCRIPT_RUNS[@]}"
   tests/test_run_t5_mlm_flax.py::test_dump_noised_examples
-  tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads
   tests/test_flax_training.py::test_gradient_accumulation_equals_the_larger_batch
   tests/test_flax_resume.py::test_fsdp_on_eight_devices_trains_as_one_and_resumes_on_fewer
   tests/test_streaming.py::test_a_streamed_run_resumes_bit_for_bit
@@ -87,14 +89,7 @@ CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py test
 # The tests a change to a Flax script's shared text or objective block most often breaks, in about 5 minutes on 2 idle
 # cores: layout and lint, arguments and refusals, and each script's tiny run on two devices that trains, evaluates and
 # reloads its checkpoint, then a resume (streamed: each script stopped after a checkpoint and resumed bit for bit).
-FAST_TESTS=(tests/test_layout.py tests/test_bad_input.py
-  tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
-  tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
-  tests/test_run_mlm_flax.py::test_trained_model_beats_untrained_and_checkpoint_reloads
-  tests/test_run_clm_flax.py::test_trains_on_two_devices_loss_falls_and_metrics_written
-  tests/test_run_clm_flax.py::test_checkpoint_reloads_to_identical_eval
-  tests/test_run_t5_mlm_flax.py::test_trains_on_two_devices_and_reloads
-  tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads
+FAST_TESTS=(tests/test_layout.py tests/test_bad_input.py "${SCRIPT_RUNS[@]}"
   tests/test_streaming.py::test_a_streamed_run_resumes_bit_for_bit)
 test_current() {
   local python
