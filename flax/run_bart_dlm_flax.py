@@ -263,11 +263,15 @@ class DataArguments:
 # - Resumes are exact on any mesh: collate_batch draws its noise from (*seed, row id), and loss_sums' rng comes
 #   from (--seed, step, micro-batch).
 # A block may change the names in the table and add its own; of the machinery it calls fail, text_column,
-# group_texts, bound_length, pad_rows, init_model, model_logits, model_outputs, objective_apply, token_sums, logger.
+# group_texts, bound_length, pad_rows, init_model, model_logits, model_outputs, objective_apply, capture_head and
+# apply_head (the model's output layer, the same handle in the four scripts), token_sums, logger.
 #
 # As upstream: every text is split into sentences joined as `<s> s1 <pad> s2 <pad> ... </s>` (the pad token marks
 # sentence ends inside a block) and packed into blocks of --max_seq_length; the collator permutes each block's
-# sentences and replaces spans with one mask token each; the decoder reconstructs the original block.
+# sentences and replaces spans with one mask token each; the decoder reconstructs the original block. Those
+# separators are content and padding at once: as upstream, attention_mask and decoder_attention_mask (the token is
+# not the pad) leave them out, so a row's "real" positions exclude its sentence ends, and a head that pools over
+# attention_mask skips them (a separator is a pad before the row's last </s>, padding one after it).
 
 MODEL_CLASS = transformers.FlaxAutoModelForSeq2SeqLM
 MODEL_TYPES = ("bart",)
@@ -1911,6 +1915,42 @@ def objective_apply(module, params, *args, bf16=False):
         return module.apply({"params": params}, *args)
 
 
+def capture_head(head, vocab_size, positions=None):
+    """An interceptor on the model's output layer, its projection onto the vocabulary (the nn.Dense of vocab_size
+    features, or a tied output embedding: the nn.Embed whose attend it calls), that records in `head` the layer's
+    "inputs", "kernel" [hidden, vocab], "bias", "dtype" and "logits" (its output), for apply_head. With `positions`
+    [batch, K] the layer reads only the inputs at those positions, so the model's logits are [batch, K, vocab]. A
+    model may add to the layer's output (BERT's and RoBERTa's bias apart, BART's final_logits_bias): the model's
+    logits are the layer's own where `head["logits"] is logits`. A head computed otherwise (DistilBERT's, ELECTRA's)
+    leaves `head` empty."""
+
+    def interceptor(next_fun, args, kwargs, context):
+        module, method = context.module, context.method_name
+        dense = method == "__call__" and isinstance(module, nn.Dense) and module.features == vocab_size
+        tied = method == "attend" and isinstance(module, nn.Embed) and module.num_embeddings == vocab_size
+        if not (dense or tied):
+            return next_fun(*args, **kwargs)
+        if positions is not None:
+            args = (jnp.take_along_axis(args[0], positions[..., None], axis=1), *args[1:])
+        if dense:
+            bias = module.get_variable("params", "bias") if module.use_bias else 0.0
+            head.update(kernel=module.get_variable("params", "kernel"), bias=bias)
+        else:
+            head.update(kernel=module.get_variable("params", "embedding").T, bias=0.0)
+        head.update(dtype=module.dtype, inputs=args[0], logits=next_fun(*args, **kwargs))
+        return head["logits"]
+
+    return interceptor
+
+
+def apply_head(head, x, bf16):
+    """The logits of the output layer capture_head recorded in `head`, for other inputs x [..., hidden], as the
+    model computes them (bf16_matmul with --dtype bfloat16)."""
+    kernel = head["kernel"]
+    logits = (bf16_matmul(x.astype(kernel.dtype), kernel) if bf16 else x @ kernel) + head["bias"]
+    return logits if head["dtype"] is None else logits.astype(head["dtype"])
+
+
 # --- --dtype bfloat16 ------------------------------------------------------------------------------------------
 # XLA:CPU runs a bf16 x bf16 product with an f32 result on a bf16 kernel where the CPU has bf16 instructions
 # (AMX-BF16, AVX-512 BF16), but converts a bf16 x bf16 -> bf16 product (upstream's bf16 model dtype) to f32.
@@ -2006,9 +2046,14 @@ bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 def bf16_dense(next_fun, args, kwargs, context):
     """A flax method interceptor (nn.intercept_methods) that computes every nn.Dense with bf16_matmul:
     transformers' Flax models build their projections and their (tied) LM heads from nn.Dense, except
-    GPT-2, whose FlaxConv1D is a dense layer with its kernel stored [out, in]."""
-    module = context.module
-    if context.method_name != "__call__" or not isinstance(module, (nn.Dense, FlaxConv1D)):
+    GPT-2, whose FlaxConv1D is a dense layer with its kernel stored [out, in], and T5, whose tied LM head is its
+    shared nn.Embed's attend."""
+    module, method = context.module, context.method_name
+    if method == "attend" and isinstance(module, nn.Embed):
+        embedding = module.get_variable("params", "embedding")
+        y = bf16_matmul(jnp.asarray(args[0], embedding.dtype), embedding.T)
+        return y if module.dtype is None else y.astype(module.dtype)
+    if method != "__call__" or not isinstance(module, (nn.Dense, FlaxConv1D)):
         return next_fun(*args, **kwargs)
     kernel = module.get_variable("params", "kernel")
     if isinstance(module, FlaxConv1D):

@@ -1,7 +1,7 @@
 # === the objective: multi-token prediction ======================================================================
 # A worked example of an objective with parameters of its own, for a copy of run_clm_flax.py:
 # tests/test_objective_block.py puts each definition here in place of the block's own of the same name (the rest of
-# the block, capture_head and shifted_token_sums among it, stays) and changes nothing outside the block. Beside the
+# the block, shifted_token_sums among it, stays) and changes nothing outside the block. Beside the
 # next-token head, two heads (LayerNorm -> Dense -> GELU -> the model's own output embedding) predict the tokens 2 and
 # 3 ahead from the final hidden state (Gloeckle et al., 2024); the loss is the next-token loss + 0.3 x their mean.
 # The heads are params["objective"]: trained, sharded, checkpointed and restored with the model, and never saved with
@@ -31,11 +31,10 @@ def init_objective_params(config, rng):
 
 def loss_sums(model, params, batch, rng, train, bf16):
     """Next-token cross-entropy and accuracy, and each extra head's cross-entropy of the token it predicts, through
-    the model's own head (capture_head's kernel and bias) and over the positions that have that token."""
+    the model's own output layer (capture_head's kernel and bias) and over the positions that have that token."""
     head = {}
-    hidden = model_outputs(
-        model, params["model"], batch, bf16, [capture_head(head)], dropout_rng=rng, train=train
-    ).hidden
+    interceptors = [capture_head(head, model.config.vocab_size)]
+    hidden = model_outputs(model, params["model"], batch, bf16, interceptors, dropout_rng=rng, train=train).hidden
     loss, correct, count = shifted_token_sums(head, batch, bf16, shift=1)
     sums = {"loss": (loss, count), "accuracy": (correct, count)}
     heads = objective_apply(AheadHeads(hidden.shape[-1]), params["objective"], hidden, bf16=bf16)

@@ -219,7 +219,7 @@ def test_every_framework_did_the_same_work(quick):
     # Each framework's own count against the products of the step by hand: TensorFlow's graph, with XLA or without,
     # to the FLOP; PyTorch's counter lacks the attention's products (it has no formula for the CPU's fused kernel,
     # aten._scaled_dot_product_flash_attention_for_cpu); the script's step (Flax) also runs the head's dense (h x h)
-    # at the other positions (lm_head_at gathers at the decoder) and multiplies the attention weights by
+    # at the other positions (capture_head gathers at the decoder) and multiplies the attention weights by
     # transformers' head mask of ones (an einsum over nothing contracted: 2 FLOPs an element), forward and backward.
     rows, size = {r["mode"]: r for r in ran}, sizes(out, report["workload"])
     assert rows["tf"]["executed_flops"] == rows["tf_xla"]["executed_flops"] == step_flops(size)
@@ -308,7 +308,7 @@ def test_the_flax_worker_runs_the_scripts_step_and_its_head_takes_effect(gpu_mod
     """benchmarks/worker_flax.py in this process, on 2 of gpu_modes' batches from its initial weights: it builds its
     step with run_mlm_flax.py's make_train_step (patched here, counted) once a run and calls that step once a batch;
     its head "all" gives the same losses as "masked" and executes the decoder's products at rows x (L - K) more
-    positions, by hand (head_flops; run_mlm_flax.py's lm_head_at gathers the decoder's input only, so the head's
+    positions, by hand (head_flops; run_mlm_flax.py's capture_head gathers the decoder's input only, so the head's
     dense h x h runs at every position in both)."""
     import numpy as np
 

@@ -129,7 +129,7 @@ def test_whole_model_dense_products_are_bf16(path, request):
     )
 
 
-def test_lm_head_at_masked_positions_gives_the_full_head_loss(tiny_model_dir):
+def test_the_output_layer_at_masked_positions_gives_the_full_head_loss(tiny_model_dir):
     """run_mlm_flax.py scores the LM head only at the masked positions: same loss and gradients as the
     head on every position."""
     import jax

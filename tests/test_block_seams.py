@@ -109,3 +109,52 @@ def test_the_helpers_take_what_a_block_varies(monkeypatch):
     clm.evaluate(None, run, 0)
     assert calls == [((5,), False), ((5,), False)]
     assert clm.build_collator(None, None, types.SimpleNamespace(pad_token_id=7), 8, {}).pad_token_id == 7
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_handle_on_the_output_layer_in_all_four(bf16, tiny_model_dir, bart_dir):
+    """capture_head and apply_head, in the shared text of the four scripts, reach the output layer of each one's
+    models: RoBERTa's (at the masked positions, its bias added apart), GPT-2's, a tied T5's (its nn.Embed's attend,
+    computed in bf16 products with --dtype bfloat16 like every dense layer) and BART's; apply_head gives the
+    recorded layer's logits again, from its recorded inputs."""
+    import jax
+    import transformers
+    from test_bf16 import dot_products
+
+    names = ("mlm", "clm", "t5_mlm", "bart_dlm")
+    scripts = {name: load_script(f"flax/run_{name}_flax.py", f"head_run_{name}_flax") for name in names}
+    ids = np.arange(16).reshape(2, 8) % 50 + 5
+    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    tied_t5 = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, vocab_size=100)
+    models = {
+        "mlm": (transformers.AutoConfig.from_pretrained(tiny_model_dir), batch),
+        "clm": (transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100), batch),
+        "t5_mlm": (tied_t5, {**batch, "decoder_input_ids": ids[:, :5]}),
+        "bart_dlm": (transformers.AutoConfig.from_pretrained(bart_dir), {**batch, "decoder_input_ids": ids[:, :5]}),
+    }
+    assert tied_t5.tie_word_embeddings
+    for name, (config, inputs) in models.items():
+        script, head = scripts[name], {}
+        model = script.MODEL_CLASS.from_config(config, seed=0)
+        if name == "mlm":
+            positions = np.array([[1, 3], [0, 5]])
+            logits = script.masked_lm_logits(
+                model, model.params, {**inputs, "masked_positions": positions}, bf16, head=head
+            )
+            assert head["inputs"].shape == (2, 2, config.hidden_size) and logits.shape == (2, 2, config.vocab_size)
+            expected = head["logits"] + model.params["lm_head"]["bias"]  # RoBERTa adds its own bias after the layer
+        else:
+            logits = script.model_logits(
+                model, model.params, inputs, bf16, [script.capture_head(head, config.vocab_size)]
+            )
+            expected = head["logits"]
+            assert name == "bart_dlm" or head["logits"] is logits  # BART adds final_logits_bias (zeros, new)
+        np.testing.assert_allclose(logits, expected, rtol=1e-6, atol=1e-6)
+        # apply_head: the same operands in the same product, lowered alone: equal to float32 rounding
+        np.testing.assert_allclose(script.apply_head(head, head["inputs"], bf16), head["logits"], rtol=1e-5, atol=1e-5)
+    model = scripts["t5_mlm"].MODEL_CLASS.from_config(tied_t5, seed=0)
+    lowered = jax.jit(lambda p: scripts["t5_mlm"].model_logits(model, p, models["t5_mlm"][1], bf16)).lower(
+        model.params
+    )
+    dense = [p for p in dot_products(lowered.as_text()) if not p[0]]
+    assert dense and all(p[1] == (("bf16", "bf16") if bf16 else ("f32", "f32")) for p in dense), dense

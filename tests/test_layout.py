@@ -170,7 +170,8 @@ def test_every_script_tells_bf16_support_with_the_same_function():
 
 def test_the_shared_text_uses_nothing_of_a_block_but_its_table():
     """The loop and the machinery refer to a block's names only through README.md's block table: a block's helpers
-    (capture_head, masked_lm_logits, a collator class, ...) are its own, free to change without reading the loop."""
+    (shifted_token_sums, masked_lm_logits, a collator class, ...) are its own, free to change without reading the
+    loop."""
     import ast
 
     from conftest import FLAX_TRAINING_SCRIPTS

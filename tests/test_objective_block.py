@@ -296,6 +296,56 @@ def test_electra_block_trains_evaluates_saves_both_models_and_resumes_exactly(ti
     assert "run_mlm_flax" not in log + killed_log + resumed_log + written
 
 
+def checkpointed(checkpoint, part):
+    """params[part] of a checkpoint, read on the host: {path tuple: array}."""
+    import jax
+    import orbax.checkpoint as ocp
+    from flax.traverse_util import flatten_dict
+
+    state, checkpointer = checkpoint / "state", ocp.PyTreeCheckpointer()
+    as_numpy = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), checkpointer.metadata(state).item_metadata.tree
+    )
+    return flatten_dict(checkpointer.restore(state, restore_args=as_numpy)["params"][part])
+
+
+def own_head_run(script, model_type, model_dir, corpus, length_flag, output_dir, *extra):
+    """A copy's command line: 8 steps on two devices, 2 rows a device and 2 micro-batches a step, checkpoints at
+    steps 4 and 8, its losses logged every 2 steps, trained and evaluated."""
+    args = script_args(str(script), model_type, model_dir, corpus, output_dir, length_flag, "32", *extra)
+    args += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "8"]
+    return [*args, "--save_steps", "4", "--logging_steps", "2", "--learning_rate", "2e-3", "--do_train", "--do_eval"]
+
+
+def assert_saved_plain_and_resumes_bitwise(command, full, log, expected_keys, tmp_path):
+    """The block's own head is trained and checkpointed (it moved from checkpoint-4 to checkpoint-8) and never saved:
+    output_dir's msgpack (read from the file: from_pretrained would drop keys it does not know) holds exactly
+    `expected_keys`, bit for bit checkpoint-8's params["model"]. Killed (kill -9) once its first checkpoint is
+    complete, then resumed: the same model, head, losses and evaluation as the uninterrupted run, bit for bit."""
+    from flax.serialization import msgpack_restore
+    from flax.traverse_util import flatten_dict
+
+    heads = [checkpointed(full / f"checkpoint-{step}", "objective") for step in (4, 8)]
+    assert heads[0] and all(not np.array_equal(heads[0][name], heads[1][name]) for name in heads[0])
+    saved = flatten_dict(msgpack_restore((full / "flax_model.msgpack").read_bytes()))
+    assert sorted(saved) == sorted(expected_keys), sorted(set(saved) ^ set(expected_keys))
+    model = checkpointed(full / "checkpoint-8", "model")
+    assert sorted(model) == sorted(saved) and all(np.array_equal(model[name], saved[name]) for name in model)
+    killed = tmp_path / "killed"
+    killed_log = kill_after_first_checkpoint(command(killed), killed, env=TWO_DEVICES)
+    resumed = check_ok(run([*command(killed), "--resume_from_checkpoint"], env=TWO_DEVICES))
+    assert (full / "flax_model.msgpack").read_bytes() == (killed / "flax_model.msgpack").read_bytes()
+    again = checkpointed(killed / "checkpoint-8", "objective")
+    assert sorted(again) == sorted(heads[1]) and all(np.array_equal(heads[1][name], again[name]) for name in again)
+    after = losses_by_step(resumed.stdout + resumed.stderr)
+    assert after and all(losses_by_step(log)[s] == loss for s, loss in {**losses_by_step(killed_log), **after}.items())
+    scores = lambda path: {  # noqa: E731
+        k: v for k, v in json.loads(path.read_text()).items() if "runtime" not in k and "per_second" not in k
+    }
+    assert scores(killed / "eval_results.json") == scores(full / "eval_results.json")
+    return heads
+
+
 def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_plain_model(gpt2_dir, corpus, tmp_path):
     """tests/mtp_block.py in a copy of run_clm_flax.py: two extra heads of the block's own (params["objective"]), on
     two devices with accumulation, are trained and evaluated, each head's loss reported; eval_loss is the next-token
@@ -303,36 +353,12 @@ def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_p
     checkpoint and resume bit for bit, and the saved model is a plain GPT-2, without them: its msgpack holds a new
     GPT-2's parameters, bit for bit the last checkpoint's params["model"]."""
     import jax
-    import orbax.checkpoint as ocp
-    from flax.serialization import msgpack_restore
     from flax.traverse_util import flatten_dict
     from transformers import AutoTokenizer, FlaxGPT2LMHeadModel, GPT2Config
 
     script = patched_block_script("flax/run_clm_flax.py", "mtp_block.py", tmp_path)
-
-    def checkpointed_heads(checkpoint, part="objective"):  # params[part] of a checkpoint, read on the host
-        state, checkpointer = checkpoint / "state", ocp.PyTreeCheckpointer()
-        as_numpy = jax.tree.map(
-            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), checkpointer.metadata(state).item_metadata.tree
-        )
-        return flatten_dict(checkpointer.restore(state, restore_args=as_numpy)["params"][part])
-
-    def command(output_dir):
-        args = script_args(str(script), "gpt2", gpt2_dir, corpus, output_dir, "--block_size", "32")
-        args += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_steps", "8"]
-        return [
-            *args,
-            "--save_steps",
-            "4",
-            "--logging_steps",
-            "2",
-            "--learning_rate",
-            "2e-3",
-            "--do_train",
-            "--do_eval",
-        ]
-
-    full, killed = tmp_path / "full", tmp_path / "killed"
+    command = lambda output_dir: own_head_run(script, "gpt2", gpt2_dir, corpus, "--block_size", output_dir)  # noqa: E731
+    full = tmp_path / "full"
     result = check_ok(run(command(full), env=TWO_DEVICES))
     log = result.stdout + result.stderr
     assert re.search(r"Model: gpt2, [\d,]+ parameters \(and [\d,]+ of the objective's own\)", log), log[-2000:]
@@ -350,31 +376,52 @@ def test_a_block_with_parameters_of_its_own_trains_resumes_exactly_and_saves_a_p
     assert blocks > 10 and results["eval_samples"] == blocks
     counts = [results[f"eval_{name}_tokens"] for name in ("predicted", "ahead_2", "ahead_3")]
     assert counts == [31 * blocks, 30 * blocks, 29 * blocks], (counts, blocks)
-    # The heads are trained and checkpointed: their weights moved from the first checkpoint to the last.
-    heads = [checkpointed_heads(full / f"checkpoint-{step}") for step in (4, 8)]
-    layers = {"dense": ("bias", "kernel"), "ln": ("bias", "scale")}
-    expected = sorted(f"{layer}_{k}/{name}" for k in (2, 3) for layer, names in layers.items() for name in names)
-    assert sorted("/".join(name) for name in heads[0]) == expected
-    assert all(not np.array_equal(heads[0][name], heads[1][name]) for name in heads[0])
-    # The saved model is a plain GPT-2, read from the file itself (from_pretrained would drop keys it does not know):
-    # a new GPT-2's parameters, no head of the block's, bit for bit the last checkpoint's params["model"].
-    saved = flatten_dict(msgpack_restore((full / "flax_model.msgpack").read_bytes()))
     new = flatten_dict(
         FlaxGPT2LMHeadModel(GPT2Config.from_pretrained(full), _do_init=False).init_weights(jax.random.key(0), (1, 1))
     )
-    assert sorted(saved) == sorted(new), sorted(set(saved) ^ set(new))
-    model = checkpointed_heads(full / "checkpoint-8", "model")
-    assert sorted(model) == sorted(saved) and all(np.array_equal(model[name], saved[name]) for name in model)
-    # Killed once its first checkpoint is complete, then resumed: the same model, heads and losses, bit for bit.
-    killed_log = kill_after_first_checkpoint(command(killed), killed, env=TWO_DEVICES)
-    resumed = check_ok(run([*command(killed), "--resume_from_checkpoint"], env=TWO_DEVICES))
-    assert (full / "flax_model.msgpack").read_bytes() == (killed / "flax_model.msgpack").read_bytes()
-    again = checkpointed_heads(killed / "checkpoint-8")
-    assert all(np.array_equal(heads[1][name], again[name]) for name in heads[1])
-    after = losses_by_step(resumed.stdout + resumed.stderr)
-    assert after and all(losses_by_step(log)[s] == loss for s, loss in {**losses_by_step(killed_log), **after}.items())
-    scores = lambda results: {k: v for k, v in results.items() if "runtime" not in k and "per_second" not in k}  # noqa: E731
-    assert scores(json.loads((killed / "eval_results.json").read_text())) == scores(results)
+    heads = assert_saved_plain_and_resumes_bitwise(command, full, log, new, tmp_path)
+    layers = {"dense": ("bias", "kernel"), "ln": ("bias", "scale")}
+    expected = sorted(f"{layer}_{k}/{name}" for k in (2, 3) for layer, names in layers.items() for name in names)
+    assert sorted("/".join(name) for name in heads[0]) == expected
+
+
+def test_a_block_on_the_encoders_states_with_a_weight_from_a_flag(t5_dir, corpus, tmp_path):
+    """tests/span_bag_block.py in a copy of run_t5_mlm_flax.py: a head of the block's own on the encoder's final
+    states (ModelStates.encoder_hidden) and a second loss term weighted by --bag_loss_weight (0.25 here, not the
+    block's 0.5), on two devices with accumulation: trained and evaluated (eval_loss is span corruption's alone, the
+    trained loss weighs the bag term by the flag, one count a row); the head in every checkpoint; the saved model a
+    plain T5 that from_pretrained loads with no unexpected or missing keys; kill -9 and a resume end bit for bit as
+    the uninterrupted run."""
+    import transformers
+    from flax.traverse_util import flatten_dict
+    from transformers.testing_utils import CaptureLogger
+
+    script = patched_block_script("flax/run_t5_mlm_flax.py", "span_bag_block.py", tmp_path)
+    flags = ("--bag_loss_weight", "0.25")
+    command = lambda output_dir: own_head_run(script, "t5", t5_dir, corpus, "--max_seq_length", output_dir, *flags)  # noqa: E731
+    full = tmp_path / "full"
+    result = check_ok(run(command(full), env=TWO_DEVICES))
+    log = result.stdout + result.stderr
+    assert re.search(r"Model: t5, [\d,]+ parameters \(and [\d,]+ of the objective's own\)", log), log[-2000:]
+    results = json.loads((full / "eval_results.json").read_text())
+    assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
+    assert 0 < results["eval_bag_loss"] < math.log(2)  # below a head that knows nothing: it learned
+    assert results["eval_trained_loss"] == pytest.approx(results["eval_loss"] + 0.25 * results["eval_bag_loss"])
+    assert results["eval_bag_rows"] == results["eval_samples"] > 10
+    load_script("flax/run_t5_mlm_flax.py", "bag_run_t5_mlm_flax").clip_with_a_max_for_t5()  # today's jax
+    with CaptureLogger(transformers.modeling_flax_utils.logger) as loading:
+        model, params = transformers.FlaxT5ForConditionalGeneration.from_pretrained(full, _do_init=False)
+    assert "were not used" not in loading.out and "newly initialized" not in loading.out, loading.out
+    new = flatten_dict(model.params_shape_tree)  # a new T5's, by shapes
+    heads = assert_saved_plain_and_resumes_bitwise(command, full, log, new, tmp_path)
+    config = transformers.AutoConfig.from_pretrained(full)
+    width, vocab_size = config.d_model, config.vocab_size
+    assert {name: head.shape for name, head in heads[0].items()} == {
+        ("ln", "scale"): (width,),
+        ("ln", "bias"): (width,),
+        ("dense", "kernel"): (width, vocab_size),
+        ("dense", "bias"): (vocab_size,),
+    }
 
 
 # A causal LM that also scores the tokens of row 0 apart, each counted as 1.0 (a mean of exactly 1 wherever the row

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import types
 
 import numpy as np
 import pytest
@@ -101,8 +102,10 @@ def test_padding_is_masked_out_of_the_loss():
     full = np.ones_like(ids)
 
     def sums(logits, ids, mask):  # the objective's loss_sums on a model that returns `logits`
+        model = lambda **_: {"logits": logits, "hidden_states": (None,)}  # noqa: E731
+        model.config = types.SimpleNamespace(vocab_size=logits.shape[-1])
         out = clm.loss_sums(
-            lambda **_: {"logits": logits, "hidden_states": (None,)},
+            model,
             {"model": None},
             {"input_ids": ids, "attention_mask": mask},
             None,
@@ -142,7 +145,7 @@ def test_model_outputs_gives_the_final_hidden_state_the_head_reads():
         ),
     ):
         head = {}
-        logits, hidden, _ = clm.model_outputs(model, model.params, batch, False, [clm.capture_head(head)])
+        logits, hidden, _ = clm.model_outputs(model, model.params, batch, False, [clm.capture_head(head, 100)])
         assert hidden.shape == (*logits.shape[:2], 32) and head["logits"] is logits
         # the same product of the same float32 operands, lowered as one dot either way: equal to float32 rounding
         np.testing.assert_allclose(clm.apply_head(head, hidden, False), logits, rtol=1e-5, atol=1e-6)
