@@ -260,6 +260,15 @@ class DataArguments:
 # A block may change the names in the table and add its own; of the machinery it calls fail, text_column,
 # group_texts, bound_length, pad_rows, init_model, model_logits, model_outputs, objective_apply, capture_head and
 # apply_head (the model's output layer, the same handle in the four scripts), token_sums, logger.
+#
+# As upstream: each text is tokenized with its special tokens (<s> ... </s> for RoBERTa) and the texts packed into
+# blocks of --max_seq_length, whose edges fall anywhere in a text, with no special token of their own (or, with
+# --line_by_line, one row a line, cut at that length); the collator masks --mlm_probability of each row's tokens, as
+# BERT (80 % the mask token, 10 % a random token, 10 % unchanged), never a special token. collate_batch keeps the
+# labels at the masked positions only: masked_positions [rows, K] and labels [rows, K], -100 in unused slots (a
+# row's whole pattern is the positions whose label is not -100). The output layer reads only those positions
+# (masked_lm_logits), through the model's projection onto the vocabulary: RoBERTa's and BERT's heads add a bias of
+# their own after it (params["model"]["lm_head"]["bias"], ["cls"]["predictions"]["bias"]), which apply_head leaves out.
 
 MODEL_CLASS = transformers.FlaxAutoModelForMaskedLM
 MODEL_TYPES = tuple(dict.fromkeys(config.model_type for config in transformers.FLAX_MODEL_FOR_MASKED_LM_MAPPING))

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -94,9 +95,90 @@ def script_env(env=None):
 
 
 def run(args, env=None, cwd=ROOT, timeout=900, python=sys.executable):
-    """Run a project script as a file, as a user would; returns the CompletedProcess."""
+    """Run a project script as a file, as a user would; returns the CompletedProcess. A run of one of the four Flax
+    training scripts that needs nothing of a process of its own (no environment of its own, this Python, one device,
+    called from the main thread: output and signals are the process's) calls its main() in this process
+    (in_process), sparing a start: SUITE_IN_PROCESS=0 starts every run."""
+    here = args[0] in IN_PROCESS_SCRIPTS and env is None and cwd == ROOT and python == sys.executable
+    if here and threading.current_thread() is threading.main_thread() and one_device():
+        return in_process(args)
     return subprocess.run(
         [python, *args], cwd=cwd, env=script_env(env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+# The scripts whose tiny runs the suite makes in process: importing jax, transformers and datasets again is 4 to 8 s
+# of each start. The runs that test a process (signals, kill -9, several devices or hosts, an environment of their
+# own) and every copy of a script stay processes of their own.
+FLAX_SCRIPTS = ("flax/run_mlm_flax.py", "flax/run_clm_flax.py", "flax/run_t5_mlm_flax.py", "flax/run_bart_dlm_flax.py")
+IN_PROCESS_SCRIPTS = () if os.environ.get("SUITE_IN_PROCESS") == "0" else FLAX_SCRIPTS
+
+
+def one_device():
+    """Whether this process's jax has one device, as a script started without XLA_FLAGS of its own would."""
+    import jax
+
+    return jax.device_count() == 1
+
+
+def in_process(args, module=None):
+    """Run args (a project script and its command line) through the script's main() in this process, as a process
+    of its own would run it (its output captured, from ROOT), and put back what a run changes here: logging's
+    handlers and levels, the SIGTERM and SIGINT handlers, sys.excepthook, os.environ and the compile listeners it
+    registered with jax. What the script registered to run at exit runs at the end, as at a process's end (removing
+    a folder it made). Returns a CompletedProcess: exit 0, a SystemExit's code (its message last on stderr, as
+    Python prints it), or 1 and the traceback."""
+    from jax._src import monitoring
+
+    args = [str(arg) for arg in args]
+    path, stdout, stderr, at_exit, register = args[0], io.StringIO(), io.StringIO(), [], atexit.register
+    loggers = [
+        logging.getLogger(),
+        *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger)),
+    ]
+    saved_loggers = [(x, x.handlers[:], x.level, x.propagate, x.disabled) for x in loggers]
+    saved_signals = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    saved_env, saved_hook, listeners = dict(os.environ), sys.excepthook, monitoring.get_event_duration_listeners()
+    module = module or load_script(path, f"in_process_{os.path.basename(path)[:-3]}")
+    code = 0
+    try:
+        with (
+            mock.patch.object(sys, "argv", args),
+            contextlib.chdir(ROOT),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            mock.patch.object(
+                atexit,
+                "register",
+                lambda f, *a, **k: (
+                    at_exit.append(f) if getattr(f, "__module__", "") == module.__name__ else register(f, *a, **k)
+                ),
+            ),
+        ):
+            module.main()
+    except SystemExit as exit:
+        code = exit.code
+        traceback.clear_frames(exit.__traceback__)  # main()'s locals go now, as at a process's end: the folder's lock
+    except Exception:
+        code = 1
+        stderr.write(traceback.format_exc())
+    finally:
+        for logger, handlers, level, propagate, disabled in saved_loggers:
+            logger.handlers[:], logger.level, logger.propagate, logger.disabled = handlers, level, propagate, disabled
+        for signum, handler in saved_signals.items():
+            if signal.getsignal(signum) is not handler:  # (signal.signal works in the main thread only)
+                signal.signal(signum, handler)
+        sys.excepthook = saved_hook
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for listener in monitoring.get_event_duration_listeners():
+            if listener not in listeners:
+                monitoring.unregister_event_duration_listener(listener)
+    for hook in at_exit:
+        hook()
+    message = f"{code}\n" if isinstance(code, str) else ""
+    return subprocess.CompletedProcess(
+        args, 1 if message else code or 0, stdout.getvalue(), stderr.getvalue() + message
     )
 
 
@@ -194,37 +276,11 @@ def script_module(path):
 
 
 def refusal(args):
-    """Run args (a script and its command line) through the script's main() here, then what the script registered
-    to run at exit (removing a folder it made); returns the one error line. Python prints a SystemExit's message on
-    stderr on the way out, so the message is the last line."""
-    path, stderr, root, at_exit = args[0], io.StringIO(), logging.getLogger(), []
-    module, register = script_module(path), atexit.register
-    saved = root.handlers[:], root.level  # the scripts set up logging on the stderr of their call
-    try:
-        with (
-            mock.patch.object(sys, "argv", args),
-            contextlib.redirect_stderr(stderr),
-            mock.patch.object(
-                atexit,
-                "register",
-                lambda f, *a, **k: (
-                    at_exit.append(f) if getattr(f, "__module__", "") == module.__name__ else register(f, *a, **k)
-                ),
-            ),
-        ):
-            module.main()
-        raise AssertionError(f"{path} accepted {args[1:]}")
-    except SystemExit as exit:
-        code = exit.code
-        traceback.clear_frames(exit.__traceback__)  # main()'s locals go now, as at a process's end: the folder's lock
-    finally:
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
-    for hook in at_exit:
-        hook()
-    message = f"{code}\n" if isinstance(code, str) else ""
-    result = subprocess.CompletedProcess(args, 1 if message else code or 0, "", stderr.getvalue() + message)
-    return error_line(result, path.split("/")[-1])
+    """Run args (a script and its command line) through the script's main() here (in_process); returns the one error
+    line it must end with."""
+    result = in_process(args, script_module(args[0]))
+    assert result.returncode != 0, f"{args[0]} accepted {args[1:]}"
+    return error_line(result, args[0].split("/")[-1])
 
 
 def bad_input(make_args, prefix, default_output):
