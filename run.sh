@@ -67,7 +67,7 @@ VENV_CURRENT=${VENV_CURRENT:-.venv-current}
 # The Flax tests that carry the guarantees: every script trains, evaluates and reloads; kill -9 then a resume is
 # bitwise on two devices with accumulation, and the model exports; --fsdp, --streaming, --dtype bfloat16; the
 # objective blocks; a TPU compile with the libtpu of jax's [tpu] extra; run_bert_flax.py and dump_noised_examples.py;
-# an earlier release's checkpoint resumed, and the install line's pins.
+# an earlier release's checkpoint resumed, and the install line's pins; the suite's in-process runs.
 # Each Flax script's tiny run on two devices that trains, evaluates and reloads (in both lists below).
 SCRIPT_RUNS=(tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
   tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
@@ -85,7 +85,8 @@ CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py test
   tests/test_bf16.py::test_bf16_training_follows_f32_and_saves_f32_weights
   tests/test_compile_topology.py::test_the_steps_compile_for_a_tpu_slice
   tests/test_checkpoints.py::test_an_earlier_release_checkpoint_resumes_with_one_warning
-  tests/test_checkpoints.py::test_the_install_line_for_a_package_too_old_names_this_stacks_pins)
+  tests/test_checkpoints.py::test_the_install_line_for_a_package_too_old_names_this_stacks_pins
+  tests/test_in_process.py)
 # The tests a change to a Flax script's shared text or objective block most often breaks, in about 5 minutes on 2 idle
 # cores: layout and lint, arguments and refusals, and each script's tiny run on two devices that trains, evaluates and
 # reloads its checkpoint, then a resume (streamed: each script stopped after a checkpoint and resumed bit for bit).
