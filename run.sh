@@ -66,8 +66,9 @@ python_current() {
 VENV_CURRENT=${VENV_CURRENT:-.venv-current}
 # The Flax tests that carry the guarantees: every script trains, evaluates and reloads; kill -9 then a resume is
 # bitwise on two devices with accumulation, and the model exports; --fsdp, --streaming, --dtype bfloat16; the
-# objective blocks; a TPU compile with the libtpu of jax's [tpu] extra; run_bert_flax.py and dump_noised_examples.py;
-# an earlier release's checkpoint resumed, and the install line's pins; the suite's in-process runs.
+# objective blocks and the seams a block uses; a TPU compile with the libtpu of jax's [tpu] extra; run_bert_flax.py
+# and dump_noised_examples.py; an earlier release's checkpoint resumed, and the install line's pins; the suite's
+# in-process runs.
 # Each Flax script's tiny run on two devices that trains, evaluates and reloads (in both lists below).
 SCRIPT_RUNS=(tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_falls
   tests/test_run_mlm_flax.py::test_eval_metrics_written_and_consistent
@@ -76,7 +77,8 @@ SCRIPT_RUNS=(tests/test_run_mlm_flax.py::test_trains_on_two_devices_and_loss_fal
   tests/test_run_clm_flax.py::test_checkpoint_reloads_to_identical_eval
   tests/test_run_t5_mlm_flax.py::test_trains_on_two_devices_and_reloads
   tests/test_run_bart_dlm_flax.py::test_trains_on_two_devices_and_reloads)
-CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py tests/test_run_bert_flax.py
+CURRENT_TESTS=(tests/test_supported_stacks.py tests/test_objective_block.py tests/test_block_seams.py
+  tests/test_run_bert_flax.py
   "${SCRIPT_RUNS[@]}"
   tests/test_run_t5_mlm_flax.py::test_dump_noised_examples
   tests/test_flax_training.py::test_gradient_accumulation_equals_the_larger_batch
