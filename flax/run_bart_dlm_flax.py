@@ -272,13 +272,18 @@ class DataArguments:
 # separators are content and padding at once: as upstream, attention_mask and decoder_attention_mask (the token is
 # not the pad) leave them out, so a row's "real" positions exclude its sentence ends, and a head that pools over
 # attention_mask skips them (a separator is a pad before the row's last </s>, padding one after it).
+# The noise moves tokens: a span that becomes one mask, an inserted mask and the permutation shift what follows,
+# so input position i is not the original block's position i (labels'); a target for each input position needs
+# permute_sentences, mask_spans and insert_masks to return where each input token came from.
 
 MODEL_CLASS = transformers.FlaxAutoModelForSeq2SeqLM
 MODEL_TYPES = ("bart",)
 OBJECTIVE = "BART denoising"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
-SCORED_TOKENS = {"loss": "target_tokens"}  # loss_sums' counts in the results, by pair: eval_target_tokens
-LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+# each loss_sums pair's count, under the name it has in the results (here eval_target_tokens)
+SCORED_TOKENS = {"loss": "target_tokens"}
+# the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+LOSS_TERMS = {"loss": 1.0}
 MIN_LENGTH = 4  # tokens a row needs: <s>, </s> and two between them to noise
 
 

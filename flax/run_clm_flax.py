@@ -269,8 +269,10 @@ MODEL_CLASS = transformers.FlaxAutoModelForCausalLM
 MODEL_TYPES = tuple(dict.fromkeys(config.model_type for config in transformers.FLAX_MODEL_FOR_CAUSAL_LM_MAPPING))
 OBJECTIVE = "causal-LM"  # in messages
 LENGTH_FLAG = "block_size"  # the argument that sets the sequence length
-SCORED_TOKENS = {"loss": "predicted_tokens"}  # loss_sums' counts in the results, by pair: eval_predicted_tokens
-LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+# each loss_sums pair's count, under the name it has in the results (here eval_predicted_tokens)
+SCORED_TOKENS = {"loss": "predicted_tokens"}
+# the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+LOSS_TERMS = {"loss": 1.0}
 MIN_LENGTH = 2  # tokens a block needs: one to read, the next to predict
 
 

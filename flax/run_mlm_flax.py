@@ -274,8 +274,10 @@ MODEL_CLASS = transformers.FlaxAutoModelForMaskedLM
 MODEL_TYPES = tuple(dict.fromkeys(config.model_type for config in transformers.FLAX_MODEL_FOR_MASKED_LM_MAPPING))
 OBJECTIVE = "masked-LM"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
-SCORED_TOKENS = {"loss": "masked_tokens"}  # loss_sums' counts in the results, by pair: eval_masked_tokens
-LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+# each loss_sums pair's count, under the name it has in the results (here eval_masked_tokens)
+SCORED_TOKENS = {"loss": "masked_tokens"}
+# the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+LOSS_TERMS = {"loss": 1.0}
 MIN_LENGTH = 1  # tokens a row needs: one to mask
 
 

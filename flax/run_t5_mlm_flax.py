@@ -278,8 +278,10 @@ MODEL_CLASS = transformers.FlaxAutoModelForSeq2SeqLM
 MODEL_TYPES = ("t5",)
 OBJECTIVE = "T5 span-corruption"  # in messages
 LENGTH_FLAG = "max_seq_length"  # the argument that sets the sequence length
-SCORED_TOKENS = {"loss": "target_tokens"}  # loss_sums' counts in the results, by pair: eval_target_tokens
-LOSS_TERMS = {"loss": 1.0}  # the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+# each loss_sums pair's count, under the name it has in the results (here eval_target_tokens)
+SCORED_TOKENS = {"loss": "target_tokens"}
+# the loss trained on: these means of loss_sums, weighted (a <term>_weight argument wins)
+LOSS_TERMS = {"loss": 1.0}
 MIN_LENGTH = 4  # input tokens a row needs after corruption: shorter rows leave no span to corrupt
 
 
